@@ -1,0 +1,22 @@
+import os, pytest
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Debian's OpenBLAS: the Linux mlx[cpu] wheel ships a reference BLAS that is ~30x slower for fp32 matmul.
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="also run cells and tests flagged slow")
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow"): return
+    skip = pytest.mark.skip(reason="slow: run with --slow")
+    for item in items:
+        if "slow" in item.keywords: item.add_marker(skip)
+
+@pytest.fixture(scope="session")
+def fast_env():
+    "The environment for child processes: OpenBLAS preloaded where the machine has it."
+    env = dict(os.environ)
+    if OPENBLAS.exists() and "LD_PRELOAD" not in env: env["LD_PRELOAD"] = str(OPENBLAS)
+    return env

@@ -1,0 +1,20 @@
+"""README.md is generated from nbs/index.ipynb (nbdev-readme needs Quarto, which some machines lack).
+Regenerate with `python tests/test_readme.py`; the test fails when the two drift apart."""
+import nbformat
+from conftest import ROOT
+
+def render_index()->str:
+    "index.ipynb as Markdown: markdown cells as they are, code cells fenced with their text outputs; hidden cells skipped."
+    nb, parts = nbformat.read(ROOT/"nbs"/"index.ipynb", as_version=4), []
+    for c in nb.cells:
+        if c.cell_type == "markdown": parts.append(c.source)
+        elif c.cell_type == "code" and "#| hide" not in c.source:
+            parts.append(f"```python\n{c.source}\n```")
+            outs = [o.get("text") or o.get("data", {}).get("text/plain", "") for o in c.get("outputs", [])]
+            if any(outs): parts.append("```\n" + "".join(outs).rstrip() + "\n```")
+    return "<!-- generated from nbs/index.ipynb by tests/test_readme.py: edit the notebook -->\n\n" + "\n\n".join(parts) + "\n"
+
+def test_readme_matches_index():
+    assert (ROOT/"README.md").read_text() == render_index(), "README.md is stale: run `python tests/test_readme.py`"
+
+if __name__ == "__main__": (ROOT/"README.md").write_text(render_index())
