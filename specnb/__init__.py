@@ -1,2 +1,7 @@
 "Speculative decoding for MLX, written as a literate nbdev package."
 __version__ = "0.0.1"
+
+from . import models
+from .executor import spec_generate, spec_stream, generate, SpecResult, SpecStats, SpecStream
+from .sources.base import DraftProvider, DraftSource, TargetView, NoDraft
+from .sources.two_model import TwoModelProvider

@@ -6,22 +6,22 @@ Docs: https://specnb.github.io/specnb/models.html.md"""
 
 # %% auto #0
 __all__ = ['BUNDLED', 'PROBE', 'GGUF_NAMES', 'GGUF_BLOCK', 'GGUF_DTYPES', 'GGUF_PRE', 'SMOLLM2_FILE', 'bundled_dir',
-           'check_tokenizers', 'logits_width', 'check_vocab', 'ModelPair', 'load_pair', 'random_model',
-           'gguf_tensor_name', 'gguf_config', 'gguf_weights', 'gguf_tokenizer', 'gguf_cache_dir', 'gguf_to_mlx',
-           'load_gguf', 'smollm2_gguf', 'smollm2']
+           'check_tokenizers', 'logits_width', 'check_vocab', 'load_model', 'ModelPair', 'load_pair', 'random_model',
+           'perturbed', 'gguf_tensor_name', 'gguf_config', 'gguf_weights', 'gguf_tokenizer', 'gguf_cache_dir',
+           'gguf_to_mlx', 'load_gguf', 'smollm2_gguf', 'smollm2']
 
-# %% ../nbs/00_models.ipynb #573915d5
-import hashlib, importlib.resources, importlib.util, json, os, shutil
+# %% ../nbs/00_models.ipynb #03849f66
+import copy, hashlib, importlib.resources, importlib.util, json, os, shutil
 from pathlib import Path
 from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import llama
 
-# %% ../nbs/00_models.ipynb #178588cb
+# %% ../nbs/00_models.ipynb #c0f3f578
 BUNDLED = ("target", "draft")
 
 def bundled_dir(name:str="target", # "target" or "draft"
@@ -30,7 +30,7 @@ def bundled_dir(name:str="target", # "target" or "draft"
     if name not in BUNDLED: raise ValueError(f"unknown bundled model {name!r}; choose one of {BUNDLED}")
     return Path(str(importlib.resources.files("specnb")))/"bundled"/name
 
-# %% ../nbs/00_models.ipynb #7ca62fd0
+# %% ../nbs/00_models.ipynb #4241e8d7
 PROBE = "Hello, world! 0123456789 — café naïve Ωmega 🙂 def f(x):\n\treturn x"
 
 def check_tokenizers(target_tok, draft_tok, target_name="target", draft_name="draft"):
@@ -51,7 +51,16 @@ def check_vocab(target, draft, target_name="target", draft_name="draft"):
     vt, vd = logits_width(target), logits_width(draft)
     if vt != vd: raise ValueError(f"vocabulary sizes differ: target {target_name} has {vt} logits, draft {draft_name} has {vd}")
 
-# %% ../nbs/00_models.ipynb #6a7844bd
+# %% ../nbs/00_models.ipynb #c38fb970
+def load_model(name:str|Path):
+    "`mlx_lm.load` a local folder or a hub id, with an error that says which it was taken for."
+    p = Path(name).expanduser()
+    if p.exists(): return mlx_lm.load(str(p))
+    if str(name).startswith(("/", ".", "~")) or str(name).count("/") > 1:  # a path, not an `org/name` hub id
+        raise FileNotFoundError(f"no model folder at {name}")
+    try: return mlx_lm.load(str(name))
+    except Exception as e: raise ValueError(f"could not load {name!r}: it is not a local folder, and as a hub id it failed: {e}") from e
+
 class ModelPair(NamedTuple):
     "A target, its draft (or None) and the tokenizer they share."
     target: nn.Module
@@ -63,14 +72,14 @@ def load_pair(target:str|Path|None=None, # folder or hub id of the target; None:
              )->ModelPair:
     "Load a target and draft with `mlx_lm.load` and check that they can be paired."
     if target is None: target, draft = bundled_dir("target"), draft or bundled_dir("draft")
-    tm, ttok = mlx_lm.load(str(target))
+    tm, ttok = load_model(target)
     if draft is None: return ModelPair(tm, None, ttok)
-    dm, dtok = mlx_lm.load(str(draft))
+    dm, dtok = load_model(draft)
     check_tokenizers(ttok, dtok, str(target), str(draft))
     check_vocab(tm, dm, str(target), str(draft))
     return ModelPair(tm, dm, ttok)
 
-# %% ../nbs/00_models.ipynb #37a10c78
+# %% ../nbs/00_models.ipynb #027310c9
 def random_model(seed:int=0,           # weights are drawn from this seed
                  vocab_size:int=128,
                  hidden_size:int=64,
@@ -88,7 +97,7 @@ def random_model(seed:int=0,           # weights are drawn from this seed
         layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     args = llama.ModelArgs(model_type="llama", hidden_size=hidden_size, num_hidden_layers=num_layers,
                            intermediate_size=2 * hidden_size, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                           rms_norm_eps=1e-5, vocab_size=vocab_size, tie_word_embeddings=True,
+                           rms_norm_eps=1e-5, vocab_size=vocab_size, tie_word_embeddings=False,
                            layer_types=layer_types, sliding_window=sliding_window)
     mx.random.seed(seed)
     model = llama.Model(args)
@@ -97,7 +106,16 @@ def random_model(seed:int=0,           # weights are drawn from this seed
     mx.eval(model.parameters())
     return model
 
-# %% ../nbs/00_models.ipynb #ce00dfac
+# %% ../nbs/00_models.ipynb #87a6eb72
+def perturbed(model:nn.Module, noise:float=0.1, seed:int=0)->nn.Module:
+    "A copy of `model` with every weight multiplied by `1 + noise * N(0, 1)`."
+    mx.random.seed(seed)
+    out = copy.deepcopy(model)
+    out.update(tree_map(lambda w: w * (1 + noise * mx.random.normal(w.shape, dtype=w.dtype)), out.parameters()))
+    mx.eval(out.parameters())
+    return out
+
+# %% ../nbs/00_models.ipynb #37a91d21
 GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 GGUF_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
@@ -111,7 +129,7 @@ def gguf_tensor_name(name:str)->str:
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in GGUF_BLOCK: return f"model.layers.{parts[1]}.{GGUF_BLOCK[parts[2]]}.{leaf}"
     raise ValueError(f"unexpected tensor {name!r} in a llama GGUF")
 
-# %% ../nbs/00_models.ipynb #3adcea57
+# %% ../nbs/00_models.ipynb #c4a103e2
 def _meta(meta, key, default=None):
     v = meta.get(key, default)
     return v.item() if isinstance(v, mx.array) and v.ndim == 0 else v
@@ -134,7 +152,7 @@ def gguf_config(meta:dict, weights:dict)->dict:
         if f"tokenizer.ggml.{k}_token_id" in meta: cfg[f"{k}_token_id"] = _meta(meta, f"tokenizer.ggml.{k}_token_id")
     return cfg
 
-# %% ../nbs/00_models.ipynb #3f824b45
+# %% ../nbs/00_models.ipynb #8efd81ab
 GGUF_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16, "quantized": None}
 
 def gguf_weights(weights:dict, dtype:str="float32")->tuple[dict, dict|None]:
@@ -160,7 +178,7 @@ def gguf_weights(weights:dict, dtype:str="float32")->tuple[dict, dict|None]:
     common = max(set(map(json.dumps, quant.values())), key=list(map(json.dumps, quant.values())).count)
     return out, {**json.loads(common), **{k: v for k, v in quant.items() if json.dumps(v) != common}}
 
-# %% ../nbs/00_models.ipynb #181bba03
+# %% ../nbs/00_models.ipynb #90059b1e
 from tokenizers import Tokenizer, AddedToken, models as tk_models, pre_tokenizers, decoders
 
 GGUF_PRE = {"default": [], "gpt2": [],
@@ -188,7 +206,7 @@ def gguf_tokenizer(meta:dict, name:str="this GGUF")->tuple[Tokenizer, dict]:
     if "tokenizer.chat_template" in meta: cfg["chat_template"] = meta["tokenizer.chat_template"]
     return tok, cfg
 
-# %% ../nbs/00_models.ipynb #d74b1283
+# %% ../nbs/00_models.ipynb #1d509218
 def gguf_cache_dir()->Path:
     "Where converted GGUF folders live: `$SPECNB_CACHE`, else `$XDG_CACHE_HOME/specnb`, else `~/.cache/specnb`."
     if "SPECNB_CACHE" in os.environ: return Path(os.environ["SPECNB_CACHE"])
@@ -232,7 +250,7 @@ def load_gguf(path:str|Path, dtype:str="float32", tokenizer:str|Path|None=None, 
     "Load a llama-family GGUF file as `(model, tokenizer)` through `mlx_lm.load` (see `gguf_to_mlx`)."
     return mlx_lm.load(str(gguf_to_mlx(path, dtype, tokenizer, cache_dir)))
 
-# %% ../nbs/00_models.ipynb #0c6d1476
+# %% ../nbs/00_models.ipynb #6093c2ad
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def smollm2_gguf()->Path:
