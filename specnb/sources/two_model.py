@@ -7,7 +7,7 @@ Docs: https://specnb.github.io/specnb/two_model.html.md"""
 # %% auto #0
 __all__ = ['TwoModelSource', 'TwoModelProvider']
 
-# %% ../../nbs/05a_two_model.ipynb #9f40c1d2
+# %% ../../nbs/05a_two_model.ipynb #9ca306f8
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from ..models import check_vocab
@@ -16,7 +16,7 @@ from ..accept import sample_positions
 from ..rollback import rollback
 from .base import TargetView
 
-# %% ../../nbs/05a_two_model.ipynb #2f426ca4
+# %% ../../nbs/05a_two_model.ipynb #4e4206a3
 class TwoModelSource:
     "Per-request state of a two-model drafter: the draft's cache and, with logits processors, its token history."
     tap_layers = None
@@ -57,13 +57,13 @@ class TwoModelSource:
 
     def close(self): self.cache = self.history = None
 
-# %% ../../nbs/05a_two_model.ipynb #74520501
+# %% ../../nbs/05a_two_model.ipynb #5e6a909c
 class TwoModelProvider:
     "A draft model shared by every request; `open` gives each request its own `TwoModelSource`."
-    def __init__(self, draft_model): self.draft_model, self._checked = draft_model, set()
+    def __init__(self, draft_model): self.draft_model, self._checked = draft_model, {}
 
     def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048)->TwoModelSource:
         if target is not None and id(target.model) not in self._checked:
             check_vocab(target.model, self.draft_model)
-            self._checked.add(id(target.model))
+            self._checked[id(target.model)] = target.model  # holding it keeps its id from being reused
         return TwoModelSource(self.draft_model, sampler, logits_processors, prefill_step_size)

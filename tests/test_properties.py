@@ -1,0 +1,39 @@
+"Property test of the executor: any model, prompt, γ, max_tokens and halting point gives plain greedy's tokens and a consistent cache."
+import mlx.core as mx
+from hypothesis import given, settings, strategies as st, HealthCheck
+from mlx_lm.models.cache import make_prompt_cache
+from specnb import spec_generate, generate, TwoModelProvider
+from specnb.models import random_model, perturbed
+
+_cache = {}
+def models(seed, window, noise):
+    key = (seed, window, noise)
+    if key not in _cache:
+        t = random_model(seed, scale=4, sliding_window=window)
+        _cache[key] = (t, t if noise == 0 else perturbed(t, noise, seed=seed + 7))
+    return _cache[key]
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 3), window=st.sampled_from([None, 16]), noise=st.sampled_from([0.0, 0.03, 0.1, 1.0]),
+       prompt=st.lists(st.integers(0, 127), min_size=1, max_size=24), gamma=st.integers(1, 6),
+       max_tokens=st.integers(1, 30), halt=st.one_of(st.none(), st.integers(1, 30)), eos=st.one_of(st.none(), st.integers(0, 127)))
+def test_spec_equals_plain(seed, window, noise, prompt, gamma, max_tokens, halt, eos):
+    target, draft = models(seed, window, noise)
+    eos_ids = [] if eos is None else [eos]
+    plain = generate(target, prompt, max_tokens=max_tokens, eos_token_ids=eos_ids)
+    cache, seen = make_prompt_cache(target), []
+    def on_token(t):
+        seen.append(t)
+        return halt is None or len(seen) < halt
+    res = spec_generate(target, TwoModelProvider(draft), prompt, num_draft_tokens=gamma, max_tokens=max_tokens,
+                        eos_token_ids=eos_ids, prompt_cache=cache, on_token=on_token)
+    expected = plain.tokens if halt is None else plain.tokens[:halt]
+    assert res.tokens == expected == seen
+    # a consumer that stops listening at token `halt` ends the request before it can end by itself
+    assert res.finish_reason == (None if halt is not None and halt <= len(plain.tokens) else plain.finish_reason)
+    assert eos is None or eos not in res.tokens
+    # the cache holds the prompt and exactly the fed tokens; never more than were emitted
+    assert all(c.offset == len(prompt) + res.fed for c in cache)
+    assert res.fed <= len(res.tokens) and res.fed >= len(res.tokens) - 1
+    s = res.stats
+    assert s.accepted <= s.drafted and sum(s.accepted_lengths) == s.accepted and sum(s.drafted_by_pos) == s.drafted
