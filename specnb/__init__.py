@@ -5,3 +5,4 @@ from . import models
 from .executor import spec_generate, spec_stream, generate, SpecResult, SpecStats, SpecStream
 from .sources.base import DraftProvider, DraftSource, TargetView, NoDraft
 from .sources.two_model import TwoModelProvider
+from .sources.ngram import NgramProvider
