@@ -6,3 +6,4 @@ from .executor import spec_generate, spec_stream, generate, SpecResult, SpecStat
 from .sources.base import DraftProvider, DraftSource, TargetView, NoDraft
 from .sources.two_model import TwoModelProvider
 from .sources.ngram import NgramProvider
+from .sources.adaptive import AdaptiveProvider

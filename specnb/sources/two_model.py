@@ -7,7 +7,7 @@ Docs: https://specnb.github.io/specnb/two_model.html.md"""
 # %% auto #0
 __all__ = ['TwoModelSource', 'TwoModelProvider']
 
-# %% ../../nbs/05a_two_model.ipynb #9ca306f8
+# %% ../../nbs/05a_two_model.ipynb #25950a12
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from ..models import check_vocab
@@ -16,14 +16,14 @@ from ..accept import sample_positions
 from ..rollback import rollback
 from .base import TargetView
 
-# %% ../../nbs/05a_two_model.ipynb #4e4206a3
+# %% ../../nbs/05a_two_model.ipynb #7cd652bc
 class TwoModelSource:
     "Per-request state of a two-model drafter: the draft's cache and, with logits processors, its token history."
     tap_layers = None
 
-    def __init__(self, model, sampler=None, logits_processors=None, prefill_step_size=2048):
+    def __init__(self, model, sampler=None, logits_processors=None, prefill_step_size=2048, p_min=None):
         self.model, self.sampler, self.procs, self.step_size = model, sampler, logits_processors or None, prefill_step_size
-        self.cache, self.history = make_prompt_cache(model), None
+        self.p_min, self.cache, self.history = p_min, make_prompt_cache(model), None
 
     def prefill(self, prompt_ids, ctx=None):
         "Read the prompt, all but its last token (the first `feed`)."
@@ -45,9 +45,11 @@ class TwoModelSource:
                 self.history = mx.concatenate([self.history, y])
                 for p in self.procs: logits = p(self.history, logits)
             y = sample_positions(logits, self.sampler)
+            if self.p_min is not None and mx.softmax(logits, axis=-1).max().item() < self.p_min:
+                break   # not confident: this token is not proposed (and costs a host sync per step)
             mx.async_eval(y)
             out.append(y)
-        return mx.concatenate(out).tolist()
+        return mx.concatenate(out).tolist() if out else []
 
     def commit(self, d, k, ctx=None):
         "The target kept `k` of `d` drafts: forget the rest (the last draft was never read)."
@@ -57,13 +59,15 @@ class TwoModelSource:
 
     def close(self): self.cache = self.history = None
 
-# %% ../../nbs/05a_two_model.ipynb #5e6a909c
+# %% ../../nbs/05a_two_model.ipynb #457456b8
 class TwoModelProvider:
     "A draft model shared by every request; `open` gives each request its own `TwoModelSource`."
-    def __init__(self, draft_model): self.draft_model, self._checked = draft_model, {}
+    def __init__(self, draft_model, p_min:float|None=None):  # p_min: stop drafting below this draft confidence
+        if p_min is not None and not 0 < p_min < 1: raise ValueError(f"p_min must be in (0, 1), got {p_min}")
+        self.draft_model, self.p_min, self._checked = draft_model, p_min, {}
 
     def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048)->TwoModelSource:
         if target is not None and id(target.model) not in self._checked:
             check_vocab(target.model, self.draft_model)
             self._checked[id(target.model)] = target.model  # holding it keeps its id from being reused
-        return TwoModelSource(self.draft_model, sampler, logits_processors, prefill_step_size)
+        return TwoModelSource(self.draft_model, sampler, logits_processors, prefill_step_size, self.p_min)
