@@ -7,3 +7,4 @@ from .sources.base import DraftProvider, DraftSource, TargetView, NoDraft
 from .sources.two_model import TwoModelProvider
 from .sources.ngram import NgramProvider
 from .sources.adaptive import AdaptiveProvider
+from .sources.early_exit import EarlyExitProvider

@@ -1,9 +1,11 @@
 "Property test of the executor: any model, draft source, prompt, γ, max_tokens, EOS and halting point gives plain greedy's tokens and a consistent cache."
 import mlx.core as mx
-from hypothesis import given, settings, strategies as st, HealthCheck
+from hypothesis import assume, given, settings, strategies as st, HealthCheck
 from mlx_lm.models.cache import make_prompt_cache
 from specnb import spec_generate, generate, TwoModelProvider
 from specnb.sources.ngram import NgramProvider
+from specnb.sources.early_exit import EarlyExitProvider
+from specnb.sources.adaptive import AdaptiveProvider
 from specnb.models import random_model, perturbed
 
 _cache = {}
@@ -14,11 +16,11 @@ def models(seed, window, noise):
         _cache[key] = (t, t if noise == 0 else perturbed(t, noise, seed=seed + 7))
     return _cache[key]
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=160, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 3), window=st.sampled_from([None, 16]), noise=st.sampled_from([0.0, 0.03, 0.1, 1.0]),
        prompt=st.lists(st.integers(0, 127), min_size=1, max_size=24), gamma=st.integers(1, 6),
        max_tokens=st.integers(1, 30), halt=st.one_of(st.none(), st.integers(1, 30)), eos=st.one_of(st.none(), st.integers(0, 127)),
-       source=st.sampled_from(["two-model", "ngram"]), ngram=st.tuples(st.integers(1, 2), st.integers(0, 3)))
+       source=st.sampled_from(["two-model", "ngram", "early-exit", "adaptive"]), ngram=st.tuples(st.integers(1, 2), st.integers(0, 3)))
 def test_spec_equals_plain(seed, window, noise, prompt, gamma, max_tokens, halt, eos, source, ngram):
     target, draft = models(seed, window, noise)
     eos_ids = [] if eos is None else [eos]
@@ -27,7 +29,11 @@ def test_spec_equals_plain(seed, window, noise, prompt, gamma, max_tokens, halt,
     def on_token(t):
         seen.append(t)
         return halt is None or len(seen) < halt
-    provider = TwoModelProvider(draft) if source == "two-model" else NgramProvider(min_ngram=ngram[0], max_ngram=ngram[0] + ngram[1])
+    assume(not (source == "early-exit" and window))   # early exit reads plain KVCache layers only
+    provider = {"two-model": lambda: TwoModelProvider(draft),
+                "ngram": lambda: NgramProvider(min_ngram=ngram[0], max_ngram=ngram[0] + ngram[1]),
+                "early-exit": lambda: EarlyExitProvider(1),
+                "adaptive": lambda: AdaptiveProvider(TwoModelProvider(draft), start=min(2, gamma))}[source]()
     res = spec_generate(target, provider, prompt, num_draft_tokens=gamma, max_tokens=max_tokens,
                         eos_token_ids=eos_ids, prompt_cache=cache, on_token=on_token)
     expected = plain.tokens if halt is None else plain.tokens[:halt]
