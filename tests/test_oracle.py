@@ -62,3 +62,17 @@ def test_sliding_window_targets_match_plain():
                 ours = spec_generate(target, TwoModelProvider(draft), prompt, num_draft_tokens=g, max_tokens=40)
                 assert ours.tokens == plain, (seed, plen, g)
                 assert ours.stats.fallback_at is not None
+
+def test_every_source_on_the_bundled_pair_matches_plain():
+    from specnb import NgramProvider, EarlyExitProvider, AdaptiveProvider
+    p = load_pair()
+    providers = {"ngram": lambda: NgramProvider(), "early-exit L=2": lambda: EarlyExitProvider(2), "early-exit L=4": lambda: EarlyExitProvider(4),
+                 "adaptive two-model": lambda: AdaptiveProvider(TwoModelProvider(p.draft)), "two-model p_min": lambda: TwoModelProvider(p.draft, p_min=0.4)}
+    for text in BUNDLED_PROMPTS[:3]:
+        prompt = p.tokenizer.encode(text)
+        plain = generate(p.target, prompt, max_tokens=40).tokens
+        for name, make in providers.items():
+            for g in (2, 5):
+                ours = spec_generate(p.target, make(), prompt, num_draft_tokens=g, max_tokens=40).tokens
+                i = _first_diff(ours, plain)
+                assert i is None or _near_tie(p.target, prompt + plain[:i]), (text, name, g, i)
