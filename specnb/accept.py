@@ -7,10 +7,10 @@ Docs: https://specnb.github.io/specnb/accept.html.md"""
 # %% auto #0
 __all__ = ['sample_positions', 'sample_one', 'accept_walk']
 
-# %% ../nbs/03_accept.ipynb #cabf8954
+# %% ../nbs/03_accept.ipynb #6dd89f6a
 import mlx.core as mx
 
-# %% ../nbs/03_accept.ipynb #24d6de42
+# %% ../nbs/03_accept.ipynb #822307da
 def sample_positions(logits:mx.array, # (P, V) logits
                      sampler=None,    # an mlx-lm sampler over log-probabilities; None: greedy
                     )->mx.array:
@@ -18,7 +18,7 @@ def sample_positions(logits:mx.array, # (P, V) logits
     if sampler is None: return mx.argmax(logits, axis=-1)
     return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
-# %% ../nbs/03_accept.ipynb #e953be04
+# %% ../nbs/03_accept.ipynb #51fcc8c7
 def sample_one(logits:mx.array,   # (1, V) logits of one position
                history=None,      # mx.array of the tokens so far, for the logits processors
                sampler=None, logits_processors=None, grammar=None,
@@ -28,21 +28,22 @@ def sample_one(logits:mx.array,   # (1, V) logits of one position
     if grammar is not None: logits = grammar.mask(logits)
     return sample_positions(logits, sampler)
 
-# %% ../nbs/03_accept.ipynb #ec081052
+# %% ../nbs/03_accept.ipynb #f3f5db3d
 def accept_walk(logits:mx.array,      # (d+1, V): the verify logits
-                drafts:list,          # the d drafted ids
+                drafts,               # the d drafted ids: a list or a 1-D mx.array
                 sampler=None, logits_processors=None, grammar=None,
                 history=None,         # mx.array of the tokens before the window (prompt + emitted), for processors
                 eos=(),               # ids that end generation
                )->tuple[list, int]:
     "Walk the verify window: returns `(tokens, k)` — the `k` accepted drafts followed by the correction or bonus."
-    d = len(drafts)
     if not logits_processors and grammar is None:
-        toks = sample_positions(logits, sampler).tolist()   # one sampling call, one host read-back
-        k = 0
+        toks = sample_positions(logits, sampler)             # one sampling call …
+        if isinstance(drafts, mx.array): mx.eval(toks, drafts); drafts = drafts.tolist()
+        toks, d, k = toks.tolist(), len(drafts), 0           # … one host read-back
         while k < d and toks[k] == drafts[k]: k += 1
         return toks[:k + 1], k
-    out = []
+    if isinstance(drafts, mx.array): drafts = drafts.tolist()
+    out, d = [], len(drafts)
     for i in range(d + 1):
         h = mx.concatenate([history, mx.array(out, mx.uint32)]) if history is not None else None
         t = sample_one(logits[i:i + 1], h, sampler, logits_processors, grammar).item()

@@ -7,7 +7,7 @@ Docs: https://specnb.github.io/specnb/executor.html.md"""
 # %% auto #0
 __all__ = ['SpecStats', 'SpecResult', 'SpecStream', 'spec_stream', 'spec_generate', 'generate', 'mlx_lm_spec_tokens']
 
-# %% ../nbs/07_executor.ipynb #c5499961
+# %% ../nbs/07_executor.ipynb #7c6a14fe
 import time
 from dataclasses import dataclass, field
 import mlx.core as mx
@@ -19,7 +19,7 @@ from .accept import accept_walk, sample_one
 from .rollback import can_take, check_rollbackable, rollback
 from .sources.base import TargetView
 
-# %% ../nbs/07_executor.ipynb #db0ddaed
+# %% ../nbs/07_executor.ipynb #8f092f84
 @dataclass
 class SpecStats:
     "Counters of one generation. Per-position lists are indexed by draft position 0..γ-1."
@@ -64,7 +64,7 @@ class SpecResult:
     stats: SpecStats = field(default_factory=SpecStats)
     fed: int = 0                                 # the target cache holds prompt + tokens[:fed]
 
-# %% ../nbs/07_executor.ipynb #f76d62c1
+# %% ../nbs/07_executor.ipynb #2484d7cc
 def _check_args(prompt, num_draft_tokens, max_tokens):
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else [int(t) for t in prompt]
     if not prompt: raise ValueError("prompt is empty: generation needs at least one token")
@@ -89,7 +89,7 @@ def _plain_steps(model, cache, pending, res, eos, sampler, procs, grammar, max_t
         pending = t
     return pending
 
-# %% ../nbs/07_executor.ipynb #1067506d
+# %% ../nbs/07_executor.ipynb #e2f6def4
 def _run(model, provider, prompt, res, *, num_draft_tokens=3, max_tokens=256, eos_token_ids=None, sampler=None,
          logits_processors=None, grammar=None, prompt_cache=None, prefill_step_size=2048):
     "The executor: yields emitted token ids and fills `res`."
@@ -121,10 +121,11 @@ def _run(model, provider, prompt, res, *, num_draft_tokens=3, max_tokens=256, eo
                 st.fallback_at = E
                 break
             drafts = source.draft(feed, n, E)
-            d = len(drafts)
+            d = drafts.size if isinstance(drafts, mx.array) else len(drafts)
             if d > n: raise RuntimeError(f"the draft source returned {d} tokens, more than the {n} asked for")
             logits = verify_forward(model, cache, pending, drafts)
             toks, k = accept_walk(logits, drafts, sampler, procs, grammar, history(), eos)
+            if isinstance(drafts, mx.array): drafts = drafts.tolist()   # already computed by the walk's read-back
             st.target_calls += 1; st.rounds += 1; st.drafted += d; st.accepted += k; st.accepted_lengths.append(k)
             for i in range(d): st.drafted_by_pos[i] += 1
             for i in range(k): st.accepted_by_pos[i] += 1
@@ -152,7 +153,7 @@ def _run(model, provider, prompt, res, *, num_draft_tokens=3, max_tokens=256, eo
         st.generated = len(out)
         st.decode_s = time.perf_counter() - t1
 
-# %% ../nbs/07_executor.ipynb #7c6d0d90
+# %% ../nbs/07_executor.ipynb #04b14c23
 class SpecStream:
     "An iterator of emitted token ids; `.result` (a `SpecResult`) fills in as it runs. `close()` halts generation."
     def __init__(self, gen, result): self._gen, self.result = gen, result
@@ -202,7 +203,7 @@ def generate(model, prompt, *, max_tokens:int=256, eos_token_ids=None, sampler=N
                          logits_processors=logits_processors, grammar=grammar, prompt_cache=prompt_cache,
                          prefill_step_size=prefill_step_size, on_token=on_token)
 
-# %% ../nbs/07_executor.ipynb #39ad5ecd
+# %% ../nbs/07_executor.ipynb #ab295145
 def mlx_lm_spec_tokens(model, draft, prompt, num_draft_tokens=3, max_tokens=256, prefill_step_size=512, **kw)->list:
     "mlx-lm's speculative decoding (`speculative_generate_step`) as a list of token ids: the oracle."
     gen = speculative_generate_step(mx.array(prompt), model, draft, num_draft_tokens=num_draft_tokens,

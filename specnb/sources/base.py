@@ -7,12 +7,12 @@ Docs: https://specnb.github.io/specnb/sources.html.md"""
 # %% auto #0
 __all__ = ['TargetView', 'DraftSource', 'DraftProvider', 'NoDraft']
 
-# %% ../../nbs/05_sources.ipynb #a3b8f17a
+# %% ../../nbs/05_sources.ipynb #21338cac
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 import mlx.core as mx
 
-# %% ../../nbs/05_sources.ipynb #298f9daf
+# %% ../../nbs/05_sources.ipynb #6c2c0f12
 @dataclass
 class TargetView:
     "What a source may read of the target: the model and its live caches (read-only by contract)."
@@ -24,7 +24,7 @@ class DraftSource(Protocol):
     "A per-request drafter (see the contract above)."
     tap_layers: list | None
     def prefill(self, prompt_ids:list, ctx=None): ...
-    def draft(self, feed:list, n:int, step:int, anchor_hidden:mx.array|None=None)->list: ...
+    def draft(self, feed:list, n:int, step:int, anchor_hidden:mx.array|None=None)->list|mx.array: ...
     def commit(self, d:int, k:int, ctx=None): ...
     def close(self): ...
 
@@ -33,7 +33,7 @@ class DraftProvider(Protocol):
     "A server-lifetime drafter factory: `open` makes the per-request `DraftSource`."
     def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size:int=2048)->DraftSource: ...
 
-# %% ../../nbs/05_sources.ipynb #388dc9a3
+# %% ../../nbs/05_sources.ipynb #cad07ba4
 class NoDraft:
     "A provider whose sources never propose a token (every round is one plain target step)."
     tap_layers = None

@@ -7,14 +7,14 @@ Docs: https://specnb.github.io/specnb/early_exit.html.md"""
 # %% auto #0
 __all__ = ['EarlyExitSource', 'EarlyExitProvider']
 
-# %% ../../nbs/05d_early_exit.ipynb #2a8cf2fa
+# %% ../../nbs/05d_early_exit.ipynb #96ca7d54
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from ..accept import sample_positions
 from .base import TargetView
 
-# %% ../../nbs/05d_early_exit.ipynb #db4cff23
+# %% ../../nbs/05d_early_exit.ipynb #2d10cdc2
 class EarlyExitSource:
     "Drafts with the first `exit_layer` layers of the target, on the target's own caches."
     tap_layers = None
@@ -38,14 +38,13 @@ class EarlyExitSource:
             y = sample_positions(self.head(self.norm(h[:, -1])), self.sampler)[None]
             mx.async_eval(y)
             out.append(y)
-        toks = mx.concatenate(out, axis=1)[0].tolist()
         for c, o in zip(self.cache, start): c.trim(c.offset - o)   # give the target its caches back as they were
-        return toks
+        return mx.concatenate(out, axis=1)[0]   # lazy: the verify forward overwrites those positions afterwards
 
     def commit(self, d, k, ctx=None): pass   # nothing of its own to roll back
     def close(self): self.cache = None
 
-# %% ../../nbs/05d_early_exit.ipynb #214952ef
+# %% ../../nbs/05d_early_exit.ipynb #d2892fd8
 class EarlyExitProvider:
     "Self-speculation: the target's first `exit_layer` layers draft for it."
     def __init__(self, exit_layer:int=2):

@@ -7,7 +7,7 @@ Docs: https://specnb.github.io/specnb/two_model.html.md"""
 # %% auto #0
 __all__ = ['TwoModelSource', 'check_p_min', 'TwoModelProvider']
 
-# %% ../../nbs/05a_two_model.ipynb #355db85e
+# %% ../../nbs/05a_two_model.ipynb #4b53dd23
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from ..models import check_vocab
@@ -16,7 +16,7 @@ from ..accept import sample_positions
 from ..rollback import rollback
 from .base import TargetView
 
-# %% ../../nbs/05a_two_model.ipynb #c5c2b1c9
+# %% ../../nbs/05a_two_model.ipynb #4462334a
 class TwoModelSource:
     "Per-request state of a two-model drafter: the draft's cache and, with logits processors, its token history."
     tap_layers = None
@@ -49,7 +49,7 @@ class TwoModelSource:
                 break   # not confident: this token is not proposed (and costs a host sync per step)
             mx.async_eval(y)
             out.append(y)
-        return mx.concatenate(out).tolist() if out else []
+        return mx.concatenate(out) if out else []   # lazy: evaluated together with the verify forward
 
     def commit(self, d, k, ctx=None):
         "The target kept `k` of `d` drafts: forget the rest (the last draft was never read)."
@@ -59,7 +59,7 @@ class TwoModelSource:
 
     def close(self): self.cache = self.history = None
 
-# %% ../../nbs/05a_two_model.ipynb #a1502ac1
+# %% ../../nbs/05a_two_model.ipynb #c3197f3d
 def check_p_min(p_min:float|None)->float|None:
     "`p_min` if it is None or a probability strictly between 0 and 1, else `ValueError`."
     if p_min is not None and not 0 < p_min < 1: raise ValueError(f"p_min must be in (0, 1), got {p_min}")
