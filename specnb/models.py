@@ -10,7 +10,7 @@ __all__ = ['BUNDLED', 'PROBE', 'GGUF_NAMES', 'GGUF_BLOCK', 'GGUF_DTYPES', 'GGUF_
            'perturbed', 'gguf_tensor_name', 'gguf_config', 'gguf_weights', 'gguf_tokenizer', 'gguf_cache_dir',
            'gguf_to_mlx', 'load_gguf', 'smollm2_gguf', 'smollm2']
 
-# %% ../nbs/00_models.ipynb #03849f66
+# %% ../nbs/00_models.ipynb #d3c8e647
 import copy, hashlib, importlib.resources, importlib.util, json, os, shutil
 from pathlib import Path
 from typing import NamedTuple
@@ -20,8 +20,9 @@ import mlx.nn as nn
 import mlx_lm
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import llama
+from tokenizers import Tokenizer, AddedToken, models as tk_models, pre_tokenizers, decoders
 
-# %% ../nbs/00_models.ipynb #c0f3f578
+# %% ../nbs/00_models.ipynb #81dfab27
 BUNDLED = ("target", "draft")
 
 def bundled_dir(name:str="target", # "target" or "draft"
@@ -30,7 +31,7 @@ def bundled_dir(name:str="target", # "target" or "draft"
     if name not in BUNDLED: raise ValueError(f"unknown bundled model {name!r}; choose one of {BUNDLED}")
     return Path(str(importlib.resources.files("specnb")))/"bundled"/name
 
-# %% ../nbs/00_models.ipynb #4241e8d7
+# %% ../nbs/00_models.ipynb #84287497
 PROBE = "Hello, world! 0123456789 — café naïve Ωmega 🙂 def f(x):\n\treturn x"
 
 def check_tokenizers(target_tok, draft_tok, target_name="target", draft_name="draft"):
@@ -51,7 +52,7 @@ def check_vocab(target, draft, target_name="target", draft_name="draft"):
     vt, vd = logits_width(target), logits_width(draft)
     if vt != vd: raise ValueError(f"vocabulary sizes differ: target {target_name} has {vt} logits, draft {draft_name} has {vd}")
 
-# %% ../nbs/00_models.ipynb #c38fb970
+# %% ../nbs/00_models.ipynb #8b823a52
 def load_model(name:str|Path):
     "`mlx_lm.load` a local folder or a hub id, with an error that says which it was taken for."
     p = Path(name).expanduser()
@@ -79,7 +80,7 @@ def load_pair(target:str|Path|None=None, # folder or hub id of the target; None:
     check_vocab(tm, dm, str(target), str(draft))
     return ModelPair(tm, dm, ttok)
 
-# %% ../nbs/00_models.ipynb #027310c9
+# %% ../nbs/00_models.ipynb #d272046f
 def random_model(seed:int=0,           # weights are drawn from this seed
                  vocab_size:int=128,
                  hidden_size:int=64,
@@ -106,7 +107,7 @@ def random_model(seed:int=0,           # weights are drawn from this seed
     mx.eval(model.parameters())
     return model
 
-# %% ../nbs/00_models.ipynb #87a6eb72
+# %% ../nbs/00_models.ipynb #6f21b87c
 def perturbed(model:nn.Module, noise:float=0.1, seed:int=0)->nn.Module:
     "A copy of `model` with every weight multiplied by `1 + noise * N(0, 1)`."
     mx.random.seed(seed)
@@ -115,7 +116,7 @@ def perturbed(model:nn.Module, noise:float=0.1, seed:int=0)->nn.Module:
     mx.eval(out.parameters())
     return out
 
-# %% ../nbs/00_models.ipynb #37a91d21
+# %% ../nbs/00_models.ipynb #4b5cc03d
 GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 GGUF_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
@@ -129,7 +130,7 @@ def gguf_tensor_name(name:str)->str:
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in GGUF_BLOCK: return f"model.layers.{parts[1]}.{GGUF_BLOCK[parts[2]]}.{leaf}"
     raise ValueError(f"unexpected tensor {name!r} in a llama GGUF")
 
-# %% ../nbs/00_models.ipynb #c4a103e2
+# %% ../nbs/00_models.ipynb #472c7e1e
 def _meta(meta, key, default=None):
     v = meta.get(key, default)
     return v.item() if isinstance(v, mx.array) and v.ndim == 0 else v
@@ -152,7 +153,7 @@ def gguf_config(meta:dict, weights:dict)->dict:
         if f"tokenizer.ggml.{k}_token_id" in meta: cfg[f"{k}_token_id"] = _meta(meta, f"tokenizer.ggml.{k}_token_id")
     return cfg
 
-# %% ../nbs/00_models.ipynb #8efd81ab
+# %% ../nbs/00_models.ipynb #d6a9f601
 GGUF_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16, "quantized": None}
 
 def gguf_weights(weights:dict, dtype:str="float32")->tuple[dict, dict|None]:
@@ -178,9 +179,7 @@ def gguf_weights(weights:dict, dtype:str="float32")->tuple[dict, dict|None]:
     common = max(set(map(json.dumps, quant.values())), key=list(map(json.dumps, quant.values())).count)
     return out, {**json.loads(common), **{k: v for k, v in quant.items() if json.dumps(v) != common}}
 
-# %% ../nbs/00_models.ipynb #90059b1e
-from tokenizers import Tokenizer, AddedToken, models as tk_models, pre_tokenizers, decoders
-
+# %% ../nbs/00_models.ipynb #afc0b0a9
 GGUF_PRE = {"default": [], "gpt2": [],
             **{k: [pre_tokenizers.Digits(individual_digits=True)] for k in ("smollm", "starcoder", "refact", "codeshell", "exaone", "minerva")}}
 
@@ -206,7 +205,7 @@ def gguf_tokenizer(meta:dict, name:str="this GGUF")->tuple[Tokenizer, dict]:
     if "tokenizer.chat_template" in meta: cfg["chat_template"] = meta["tokenizer.chat_template"]
     return tok, cfg
 
-# %% ../nbs/00_models.ipynb #1d509218
+# %% ../nbs/00_models.ipynb #51694b42
 def gguf_cache_dir()->Path:
     "Where converted GGUF folders live: `$SPECNB_CACHE`, else `$XDG_CACHE_HOME/specnb`, else `~/.cache/specnb`."
     if "SPECNB_CACHE" in os.environ: return Path(os.environ["SPECNB_CACHE"])
@@ -250,7 +249,7 @@ def load_gguf(path:str|Path, dtype:str="float32", tokenizer:str|Path|None=None, 
     "Load a llama-family GGUF file as `(model, tokenizer)` through `mlx_lm.load` (see `gguf_to_mlx`)."
     return mlx_lm.load(str(gguf_to_mlx(path, dtype, tokenizer, cache_dir)))
 
-# %% ../nbs/00_models.ipynb #6093c2ad
+# %% ../nbs/00_models.ipynb #6f70fdea
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def smollm2_gguf()->Path:

@@ -7,10 +7,10 @@ Docs: https://specnb.github.io/specnb/prefill.html.md"""
 # %% auto #0
 __all__ = ['prefill_drain']
 
-# %% ../nbs/01_prefill.ipynb #4f97f81e
+# %% ../nbs/01_prefill.ipynb #968dad4f
 import mlx.core as mx
 
-# %% ../nbs/01_prefill.ipynb #9dddc010
+# %% ../nbs/01_prefill.ipynb #67157c08
 def prefill_drain(model,                 # an mlx-lm model
                   cache:list,            # its cache list (`make_prompt_cache(model)`), filled in place
                   tokens,                # the token ids to feed (the prompt without its last token)
