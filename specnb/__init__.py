@@ -8,3 +8,4 @@ from .sources.two_model import TwoModelProvider
 from .sources.ngram import NgramProvider
 from .sources.adaptive import AdaptiveProvider
 from .sources.early_exit import EarlyExitProvider
+from . import grammar

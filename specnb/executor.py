@@ -95,7 +95,7 @@ def _run(model, provider, prompt, res, *, num_draft_tokens=3, max_tokens=256, eo
     "The executor: yields emitted token ids and fills `res`."
     prompt = _check_args(prompt, num_draft_tokens, max_tokens)
     cache = make_prompt_cache(model) if prompt_cache is None else prompt_cache
-    eos, procs, st, out = set(eos_token_ids or ()), logits_processors or None, res.stats, res.tokens
+    eos, procs, st, out = set(eos_token_ids or ()) | set(getattr(grammar, "stop_token_ids", ())), logits_processors or None, res.stats, res.tokens
     st.prompt_tokens = len(prompt)
     st.drafted_by_pos, st.accepted_by_pos = [0] * num_draft_tokens, [0] * num_draft_tokens
     history = lambda: mx.array(prompt + out, mx.uint32) if procs else None
@@ -136,8 +136,9 @@ def _run(model, provider, prompt, res, *, num_draft_tokens=3, max_tokens=256, eo
                     out.append(t); j += 1
                     yield t
                     if len(out) == max_tokens: res.finish_reason = "length"; break
-                    if grammar is not None and grammar.terminated: res.finish_reason = "stop"; break
-                else: ends = False
+                else:  # the walk already cut `toks` at the token that completed the grammar
+                    if grammar is not None and grammar.terminated: res.finish_reason = "stop"
+                    else: ends = False
             finally:   # also runs when the consumer closes us mid-burst
                 kept = min(j, k)   # emitted accepted drafts stay in the cache; nothing else does
                 rollback(cache, d - kept)
