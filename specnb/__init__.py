@@ -8,4 +8,10 @@ from .sources.two_model import TwoModelProvider
 from .sources.ngram import NgramProvider
 from .sources.adaptive import AdaptiveProvider
 from .sources.early_exit import EarlyExitProvider
-from . import grammar
+
+def __getattr__(name):
+    # `specnb.grammar` imports xgrammar, which imports torch: load it on first use, not with `import specnb`
+    if name == "grammar":
+        import importlib
+        return importlib.import_module(".grammar", __name__)
+    raise AttributeError(f"module 'specnb' has no attribute {name!r}")
