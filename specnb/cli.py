@@ -83,7 +83,7 @@ def cmd_generate(args, out=sys.stdout, err=sys.stderr):
     detok.finalize()
     out.write(detok.last_segment + "\n"); out.flush()
     st = stream.result.stats
-    print(f"[{kind}] " + (st.summary() if provider else st.summary().split(" | acceptance")[0] + " | plain decoding"), file=err)
+    print(f"[{kind}] " + st.summary() + ("" if provider else " | plain decoding"), file=err)
     return stream.result
 
 def main(argv=None):

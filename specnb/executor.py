@@ -50,10 +50,11 @@ class SpecStats:
     def tokens_per_call(self)->float: return self.generated / self.target_calls if self.target_calls else 0.0
 
     def summary(self)->str:
-        "One line: speed, acceptance, tokens per target call."
+        "One line: speed and, when there were verify rounds, acceptance and tokens per target call."
         s = (f"{self.generated} tokens, {self.decode_tps:.1f} tok/s decode, {self.prefill_tps:.1f} tok/s prefill "
-             f"({self.prompt_tokens} prompt tokens) | acceptance {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted}), "
-             f"{self.tokens_per_call:.2f} tokens per target call")
+             f"({self.prompt_tokens} prompt tokens)")
+        if self.rounds: s += (f" | acceptance {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted}), "
+                              f"{self.tokens_per_call:.2f} tokens per target call")
         return s + (f" | plain decoding from token {self.fallback_at}" if self.fallback_at is not None else "")
 
 @dataclass

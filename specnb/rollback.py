@@ -8,7 +8,6 @@ Docs: https://specnb.github.io/specnb/rollback.html.md"""
 __all__ = ['can_take', 'check_rollbackable', 'rollback']
 
 # %% ../nbs/04_rollback.ipynb #a0dab990
-import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 # %% ../nbs/04_rollback.ipynb #a9692241

@@ -32,11 +32,11 @@ class NgramSource:
 
     def lookup(self, n:int)->list:
         "Up to `n` tokens that followed the longest earlier occurrence of the history's trailing k-gram."
-        h, end = self.history, len(self.history) - 1
+        h = self.history
         for k in range(min(self.max_ngram, len(h)), self.min_ngram - 1, -1):
-            ends = [e for e in self.index.get(tuple(h[-k:]), ()) if e < end]  # earlier occurrences only
-            if ends:
-                e = ends[-1] if self.match == "recent" else ends[0]
+            ends = self.index.get(tuple(h[-k:]), ())
+            if len(ends) > 1:  # its last entry is the trailing k-gram itself (`end`): the others came earlier
+                e = ends[-2] if self.match == "recent" else ends[0]
                 return h[e + 1 : e + 1 + n]
         return []
 
