@@ -64,6 +64,7 @@ class SpecResult:
     finish_reason: str | None = None             # "stop" (EOS or grammar end), "length", or None (halted by the consumer)
     stats: SpecStats = field(default_factory=SpecStats)
     fed: int = 0                                 # the target cache holds prompt + tokens[:fed]
+    draft_cache: list | None = None              # with a prompt cache: the source's caches, holding the same tokens
 
 # %% ../nbs/07_executor.ipynb #2484d7cc
 def _check_args(prompt, num_draft_tokens, max_tokens):
@@ -92,14 +93,15 @@ def _plain_steps(model, cache, pending, res, eos, sampler, procs, grammar, max_t
 
 # %% ../nbs/07_executor.ipynb #e2f6def4
 def _run(model, provider, prompt, res, *, num_draft_tokens=3, max_tokens=256, eos_token_ids=None, sampler=None,
-         logits_processors=None, grammar=None, prompt_cache=None, prefill_step_size=2048):
+         logits_processors=None, grammar=None, prompt_cache=None, cached_tokens=None, draft_cache=None, prefill_step_size=2048):
     "The executor: yields emitted token ids and fills `res`."
     prompt = _check_args(prompt, num_draft_tokens, max_tokens)
     cache = make_prompt_cache(model) if prompt_cache is None else prompt_cache
+    full = list(cached_tokens or ()) + prompt   # the whole context: what the cache holds, then the new tokens
     eos, procs, st, out = set(eos_token_ids or ()) | set(getattr(grammar, "stop_token_ids", ())), logits_processors or None, res.stats, res.tokens
     st.prompt_tokens = len(prompt)
     st.drafted_by_pos, st.accepted_by_pos = [0] * num_draft_tokens, [0] * num_draft_tokens
-    history = lambda: mx.array(prompt + out, mx.uint32) if procs else None
+    history = lambda: mx.array(full + out, mx.uint32) if procs else None
     source = None
     if provider is not None:
         check_rollbackable(cache)
@@ -108,13 +110,13 @@ def _run(model, provider, prompt, res, *, num_draft_tokens=3, max_tokens=256, eo
     try:
         prefill_drain(model, cache, prompt[:-1], prefill_step_size)
         pending, feed = prompt[-1], [prompt[-1]]
-        if source is not None: source.prefill(prompt)
+        if source is not None: source.prefill(full, ctx=draft_cache)
         st.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        if source is not None and len(prompt) == 1:
+        if source is not None and len(full) == 1:
             pending = yield from _plain_steps(model, cache, pending, res, eos, sampler, procs, grammar, max_tokens, history, 1)
             if pending is None: return
-            feed = [prompt[0], pending]
+            feed = [full[0], pending]
         while source is not None:
             E = len(out)
             n = min(num_draft_tokens, max_tokens - E)
@@ -148,10 +150,12 @@ def _run(model, provider, prompt, res, *, num_draft_tokens=3, max_tokens=256, eo
             source.commit(d, k)
             pending = toks[k]
             feed = [drafts[-1], pending] if k == d > 0 else [pending]
-        if source is not None: source.close(); source = None
+        if source is not None: source.close(); source = None   # a fallback: nothing of the draft is worth saving
         yield from _plain_steps(model, cache, pending, res, eos, sampler, procs, grammar, max_tokens, history, max_tokens)
     finally:
-        if source is not None: source.close()
+        if source is not None:
+            if prompt_cache is not None: res.draft_cache = source.save(full + out[:res.fed])
+            source.close()
         st.generated = len(out)
         st.decode_s = time.perf_counter() - t1
 
@@ -166,12 +170,13 @@ class SpecStream:
     def __exit__(self, *exc): self.close()
 
 def spec_stream(model, provider, prompt, *, num_draft_tokens:int=3, max_tokens:int=256, eos_token_ids=None, sampler=None,
-                logits_processors=None, grammar=None, prompt_cache=None, prefill_step_size:int=2048)->SpecStream:
+                logits_processors=None, grammar=None, prompt_cache=None, cached_tokens=None, draft_cache=None,
+                prefill_step_size:int=2048)->SpecStream:
     "Speculative decoding as a stream of token ids (see `spec_generate` for the arguments)."
     res = SpecResult()
     gen = _run(model, provider, prompt, res, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
                eos_token_ids=eos_token_ids, sampler=sampler, logits_processors=logits_processors, grammar=grammar,
-               prompt_cache=prompt_cache, prefill_step_size=prefill_step_size)
+               prompt_cache=prompt_cache, cached_tokens=cached_tokens, draft_cache=draft_cache, prefill_step_size=prefill_step_size)
     return SpecStream(gen, res)
 
 def spec_generate(model,                  # the target: an mlx-lm model
@@ -185,13 +190,16 @@ def spec_generate(model,                  # the target: an mlx-lm model
                   logits_processors=None, # mlx-lm logits processors, applied at every position
                   grammar=None,           # a grammar (mask/advance/terminated), see the accept walk
                   prompt_cache=None,      # the target's cache list, updated in place
+                  cached_tokens=None,     # the token ids `prompt_cache` already holds (the draft and processors read them)
+                  draft_cache=None,       # a previous result's `draft_cache`, holding the same tokens as `prompt_cache`
                   prefill_step_size:int=2048,
                   on_token=None,          # called with each token id; returning False halts
                  )->SpecResult:
     "Generate with speculative decoding; the output is the target's own, token for token."
     stream = spec_stream(model, provider, prompt, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
                          eos_token_ids=eos_token_ids, sampler=sampler, logits_processors=logits_processors,
-                         grammar=grammar, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size)
+                         grammar=grammar, prompt_cache=prompt_cache, cached_tokens=cached_tokens, draft_cache=draft_cache,
+                         prefill_step_size=prefill_step_size)
     try:
         for t in stream:
             if on_token is not None and on_token(t) is False: break

@@ -42,6 +42,7 @@ class EarlyExitSource:
         return mx.concatenate(out, axis=1)[0]   # lazy: the verify forward overwrites those positions afterwards
 
     def commit(self, d, k, ctx=None): pass   # nothing of its own to roll back
+    def save(self, held): return []   # its caches are the target's
     def close(self): self.cache = None
 
 # %% ../../nbs/05d_early_exit.ipynb #d2892fd8

@@ -48,6 +48,7 @@ class NgramSource:
     def commit(self, d, k, ctx=None):
         self._push(self.last[: min(k, d - 1)])  # the last kept draft (if all were kept) comes back in the feed
 
+    def save(self, held): return []   # nothing worth keeping: prefill rebuilds the index from the prompt
     def close(self): self.history, self.index, self.last = [], {}, []
 
 # %% ../../nbs/05b_ngram.ipynb #de1419cb

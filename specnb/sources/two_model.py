@@ -26,9 +26,12 @@ class TwoModelSource:
         self.p_min, self.cache, self.history = p_min, make_prompt_cache(model), None
 
     def prefill(self, prompt_ids, ctx=None):
-        "Read the prompt, all but its last token (the first `feed`)."
+        "Read the prompt, all but its last token (the first `feed`); `ctx`: saved caches already holding a prefix of it."
         prompt_ids = list(prompt_ids)
-        prefill_drain(self.model, self.cache, prompt_ids[:-1], self.step_size)
+        if ctx: self.cache = ctx
+        held = self.cache[0].offset
+        if held >= len(prompt_ids): raise ValueError(f"the saved draft cache holds {held} tokens, not fewer than the prompt's {len(prompt_ids)}")
+        prefill_drain(self.model, self.cache, prompt_ids[held:-1], self.step_size)
         if self.procs: self.history = mx.array(prompt_ids[:-1], mx.uint32)
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
@@ -56,6 +59,14 @@ class TwoModelSource:
         r = max(d - k - 1, 0)
         rollback(self.cache, r)
         if self.procs and r: self.history = self.history[: self.history.size - r]
+
+    def save(self, held):
+        "Hand over the draft's cache holding exactly `held`: trim what the target rejected, read the one draft never read."
+        have, cache = self.cache[0].offset, self.cache
+        if have > len(held): rollback(cache, have - len(held))
+        else: prefill_drain(self.model, cache, held[have:], self.step_size)
+        self.cache = self.history = None
+        return cache
 
     def close(self): self.cache = self.history = None
 
