@@ -13,6 +13,7 @@ __all__ = ['log', 'StopText', 'PromptCache', 'Metrics', 'APIError', 'Job', 'spec
 import asyncio, json, logging, queue, shutil, socket, subprocess, sys, tempfile, threading, time, uuid
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 import mlx.core as mx
@@ -122,14 +123,26 @@ class Job:
     stop: list = field(default_factory=list)
     num_draft_tokens: int = 3     # 0: no speculation
     seed: int | None = None
-    loop: asyncio.AbstractEventLoop | None = None
-    events: asyncio.Queue | None = None
+    loop: asyncio.AbstractEventLoop | None = None   # the HTTP side's event loop, which waits for the events
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
 
+    def __post_init__(self): self._events, self._ready, self._wake_pending = deque(), asyncio.Event(), False
+
     def emit(self, *event):
-        "Hand an event to the HTTP side (thread-safe)."
-        if self.loop is not None: self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        "Hand an event to the HTTP side (from the worker thread); a burst of events wakes the event loop once."
+        self._events.append(event)
+        if self.loop is not None and not self._wake_pending:
+            self._wake_pending = True
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self): self._wake_pending = False; self._ready.set()
+
+    async def next_events(self)->list:
+        "All events that arrived since the last call, waiting for at least one (on the event loop)."
+        while not self._events:
+            self._ready.clear(); await self._ready.wait()
+        return [self._events.popleft() for _ in range(len(self._events))]
 
 def speculation_usage(st)->dict:
     "The `usage.speculation` object of a response, from the request's `SpecStats`."
@@ -389,7 +402,7 @@ def make_app(engine:Engine)->FastAPI:
     async def respond(req:_Sampling, endpoint:str, prompt:list):
         job = make_job(engine, req, endpoint, prompt, None)
         job.grammar = await run_in_threadpool(make_grammar, engine.tokenizer, req.response_format)   # compiling can take a while
-        job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
+        job.loop = asyncio.get_running_loop()
         engine.submit(job)
         chat, created = endpoint == "chat", int(time.time())
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -405,10 +418,13 @@ def make_app(engine:Engine)->FastAPI:
             return out
 
         async def events():
+            "The job's events; text that arrived together (a round's accepted tokens) comes as one piece, one chunk."
             while True:
-                ev = await job.events.get()
-                yield ev
-                if ev[0] != "text": return
+                evs = await job.next_events()
+                text = "".join(e[1] for e in evs if e[0] == "text")
+                if text: yield ("text", text)
+                for e in evs:
+                    if e[0] != "text": yield e; return
 
         if req.stream:
             async def body():

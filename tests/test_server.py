@@ -1,0 +1,266 @@
+"""`specnb serve` end to end: the server started as a user starts it (a subprocess on a free loopback port) and driven
+with the official `openai` client — chat and completions, streaming and not, structured output, stop sequences,
+usage.speculation, the prompt cache, concurrency, a disconnect, a full queue, bad input and bad start-up arguments."""
+import json, shutil, subprocess, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+import httpx, jsonschema, openai, pytest
+from mlx_lm.sample_utils import make_logits_processors
+from prometheus_client.parser import text_string_to_metric_families
+from specnb import spec_generate, TwoModelProvider
+from specnb.models import load_pair, bundled_dir, PROBE
+from specnb.serve import running_server
+
+MODEL = "specnb-bundled"
+NO_EOS = {"0": -100}   # the bundled EOS id: banning it makes a generation run to max_tokens
+
+@pytest.fixture(scope="module")
+def pair(): return load_pair()
+
+@pytest.fixture(scope="module")
+def url():
+    with running_server("--max-queue", "16") as u: yield u
+
+@pytest.fixture(scope="module")
+def client(url): return openai.OpenAI(base_url=url + "/v1", api_key="not-needed", max_retries=0, timeout=120)
+
+def metric(url, name, **labels)->float:
+    "The value of one sample of the server's /metrics (0 when absent)."
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()): return s.value
+    return 0.0
+
+def in_process(pair, prompt_ids, max_tokens, **kw):
+    return spec_generate(pair.target, TwoModelProvider(pair.draft), prompt_ids, max_tokens=max_tokens,
+                         eos_token_ids=pair.tokenizer.eos_token_ids, **kw)
+
+def chat_ids(tok, messages):
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+
+def test_completion_equals_in_process(client, pair):
+    tok = pair.tokenizer
+    for text in ("def read_config(path):\n    ", "import os\nimport sys\n\n", "class Queue:\n    \"\"\""):
+        r = client.completions.create(model=MODEL, prompt=text, max_tokens=40)
+        ref = in_process(pair, tok.encode(text), 40)
+        assert r.choices[0].text == tok.decode(ref.tokens)
+        assert r.choices[0].finish_reason == ("length" if len(ref.tokens) == 40 else "stop")
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(tok.encode(text)), len(ref.tokens))
+        spec = r.usage.speculation
+        assert (spec["drafted"], spec["accepted"], spec["target_calls"]) == (ref.stats.drafted, ref.stats.accepted, ref.stats.target_calls)
+        assert spec["acceptance_rate"] == pytest.approx(ref.stats.acceptance_rate, abs=1e-4)
+        assert spec["mean_accepted_length"] == pytest.approx(ref.stats.mean_accepted_length, abs=1e-4)
+    ids = tok.encode("def main():\n")
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=20)   # a prompt of token ids
+    assert by_ids.choices[0].text == tok.decode(in_process(pair, ids, 20).tokens)
+
+def test_chat_streaming_equals_non_streaming(client, url, pair):
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": [{"type": "text", "text": "Write a for loop."}]}]
+    whole = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=50)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=50, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    last = chunks[-1]   # the usage chunk: no choices, the whole request's usage
+    assert last.choices == [] and last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.usage.speculation == whole.usage.speculation
+    ref = in_process(pair, chat_ids(pair.tokenizer, [{"role": m["role"], "content": "Write a for loop." if m["role"] == "user" else m["content"]} for m in msgs]), 50)
+    assert whole.choices[0].message.content == pair.tokenizer.decode(ref.tokens)
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x = ", "max_tokens": 5, "stream": True}) as r:
+        lines = [l for l in r.iter_lines() if l]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert all(l.startswith("data: ") for l in lines) and lines[-1] == "data: [DONE]"
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "size": {"type": "integer"}}, "required": ["name", "size"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}, "ok": {"type": "boolean"}}, "required": ["tags", "ok"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 1, "maxItems": 4},
+]
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_json_schema_response_format(client, pair, i):
+    fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i], "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Reply in JSON."}], max_tokens=120, response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[i])
+    streamed = list(client.completions.create(model=MODEL, prompt="data = ", max_tokens=120, stream=True, extra_body={"response_format": fmt}))
+    jsonschema.validate(json.loads("".join(c.choices[0].text for c in streamed if c.choices)), SCHEMAS[i])
+
+def test_json_object(client):
+    r = client.completions.create(model=MODEL, prompt="config = ", max_tokens=200, extra_body={"response_format": {"type": "json_object"}, "logit_bias": NO_EOS})
+    if r.choices[0].finish_reason == "stop": json.loads(r.choices[0].text)
+    else: assert r.choices[0].finish_reason == "length"   # the tiny model may still be inside the object
+
+def test_stop_sequences(client):
+    prompt = "def read_config(path):\n    "
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60).choices[0].text
+    stop = full[20:24]   # a piece from the middle, possibly spanning tokens
+    cut = full[:full.index(stop)]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, stop=[stop, "never-appears"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+def test_num_draft_tokens_per_request(client):
+    kw = dict(model=MODEL, prompt="for i in range(", max_tokens=40)
+    plain = client.completions.create(**kw, extra_body={"num_draft_tokens": 0})
+    wide = client.completions.create(**kw, extra_body={"num_draft_tokens": 5})
+    default = client.completions.create(**kw)
+    assert plain.choices[0].text == wide.choices[0].text == default.choices[0].text   # lossless at any γ
+    assert plain.usage.speculation["drafted"] == 0 and plain.usage.speculation["target_calls"] == plain.usage.completion_tokens
+    assert len(wide.usage.speculation["drafted_by_position"]) == 5 and len(default.usage.speculation["drafted_by_position"]) == 3
+    assert wide.usage.speculation["accepted"] > 0
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=MODEL, prompt="import ", max_tokens=30, temperature=0.9, top_p=0.95, seed=7,
+              extra_body={"top_k": 50, "min_p": 0.02, "repetition_penalty": 1.1})
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+def test_prompt_cache_follow_up(client, pair):
+    msgs = [{"role": "user", "content": "def mean(xs):"}]
+    a1 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30, extra_body={"logit_bias": NO_EOS})
+    msgs += [{"role": "assistant", "content": a1.choices[0].message.content}, {"role": "user", "content": "And the median?"}]
+    a2 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30, extra_body={"logit_bias": NO_EOS})
+    cached = a2.usage.prompt_tokens_details.cached_tokens
+    assert a1.usage.prompt_tokens <= cached < a2.usage.prompt_tokens
+    fresh = in_process(pair, chat_ids(pair.tokenizer, msgs), 30, logits_processors=make_logits_processors({0: -100}))
+    assert a2.choices[0].message.content == pair.tokenizer.decode(fresh.tokens)   # identical to a fresh run
+    assert a2.usage.speculation["accepted"] == fresh.stats.accepted               # the draft's cache came along too
+    again = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30, extra_body={"logit_bias": NO_EOS})
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1   # an exact repeat
+    assert again.choices[0].message.content == a2.choices[0].message.content
+
+def test_eight_concurrent_clients(client, pair):
+    prompts = ["import os\n", "def add(a, b):\n", "class Node:\n", "for x in ", "while True:\n", "try:\n    ", "# Copyright ", "if __name__"]
+    expected = [pair.tokenizer.decode(in_process(pair, pair.tokenizer.encode(p), 40).tokens) for p in prompts]
+    def one(i):
+        if i % 2: return "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=40, stream=True) if c.choices)
+        return client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=40).choices[0].text
+    with ThreadPoolExecutor(8) as ex: got = list(ex.map(one, range(8)))
+    assert got == expected
+
+def test_disconnect_stops_generation(client, url):
+    before = metric(url, "specnb_generated_tokens_total")
+    stream = client.completions.create(model=MODEL, prompt="def f():\n", max_tokens=4000, stream=True, extra_body={"logit_bias": NO_EOS})
+    for _, _ in zip(range(5), stream): pass
+    stream.close()
+    t0 = time.monotonic()
+    while metric(url, "specnb_requests_total", endpoint="completions", finish_reason="cancelled") < 1:
+        assert time.monotonic() - t0 < 30, "the server did not stop the abandoned generation"
+        time.sleep(0.1)
+    generated = metric(url, "specnb_generated_tokens_total") - before
+    assert generated < 1000, generated   # stopped long before max_tokens
+    assert metric(url, "specnb_running_requests") == 0 and metric(url, "specnb_queue_depth") == 0
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=3).usage.completion_tokens == 3
+
+def test_full_queue_answers_503():
+    with running_server("--max-queue", "1") as u:
+        body = {"prompt": "def f():\n", "max_tokens": 400, "logit_bias": NO_EOS}
+        def post(_): return httpx.post(u + "/v1/completions", json=body, timeout=300)
+        with ThreadPoolExecutor(5) as ex: rs = list(ex.map(post, range(5)))
+        codes = sorted(r.status_code for r in rs)
+        assert 200 in codes and 503 in codes, codes
+        busy = next(r for r in rs if r.status_code == 503)
+        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == "queue_full"
+        assert all(r.json()["usage"]["completion_tokens"] == 400 for r in rs if r.status_code == 200)
+        assert metric(u, "specnb_refused_requests_total", reason="queue_full") == codes.count(503)
+        assert httpx.get(u + "/health").json()["status"] == "ok"
+
+BAD = [  # (endpoint, body, text the error message must contain)
+    ("completions", b'{"prompt": "x", "max_tokens": 5', "not valid JSON"),
+    ("completions", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": -3}, "-3"),
+    ("completions", {"prompt": "x", "max_tokens": 10**9}, "1000000000"),
+    ("completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("completions", {"prompt": ""}, "prompt is empty"),
+    ("completions", {"prompt": []}, "prompt is empty"),
+    ("completions", {"prompt": [1, 99999]}, "99999"),
+    ("completions", {"prompt": ["a", "b"]}, "one prompt per request"),
+    ("completions", {"max_tokens": 5}, "prompt: field required"),
+    ("completions", {"prompt": "x", "model": "gpt-9"}, "gpt-9"),
+    ("completions", {"prompt": "x", "stop": [1, 2]}, "stop"),
+    ("completions", {"prompt": "x", "n": 2}, "n"),
+    ("completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "'abc'"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 500}}, "500"),
+    ("completions", {"prompt": "x", "num_draft_tokens": -1}, "num_draft_tokens"),
+    ("completions", {"prompt": "x", "echo": True}, "echo"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "wizard"),
+    ("chat/completions", {"messages": "hello"}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "invalid JSON schema"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, "json_schema"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "xml"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+]
+
+@pytest.mark.parametrize("endpoint,body,says", BAD, ids=[f"{e}:{str(b)[:40]}" for e, b, _ in BAD])
+def test_bad_input_is_a_400_with_an_openai_error(url, endpoint, body, says):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{url}/v1/{endpoint}", timeout=60, **kw)
+    assert r.status_code == 400, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert says in err["message"], err
+    assert err["type"] == "invalid_request_error" and set(err) == {"message", "type", "param", "code"}
+
+def test_bad_input_through_the_client_and_server_survives(client, url):
+    with pytest.raises(openai.BadRequestError, match="not served here"):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=3)
+    with pytest.raises(openai.BadRequestError, match="invalid JSON schema"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 5}}})
+    r = httpx.get(url + "/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+    assert metric(url, "specnb_refused_requests_total", reason="bad_request") >= len(BAD)
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=3).usage.completion_tokens == 3
+
+def test_models_health_metrics(client, url):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    h = httpx.get(url + "/health").json()
+    assert (h["status"], h["model"], h["draft_kind"]) == ("ok", MODEL, "two-model")
+    names = {f.name for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+    for n in ("specnb_requests", "specnb_generated_tokens", "specnb_drafted_tokens", "specnb_accepted_tokens", "specnb_accepted_tokens_by_position",
+              "specnb_drafted_tokens_by_position", "specnb_target_calls", "specnb_queue_depth", "specnb_request_seconds",
+              "specnb_time_to_first_token_seconds", "specnb_cached_prompt_tokens"):
+        assert n in names, n
+    assert metric(url, "specnb_accepted_tokens_by_position_total", position="0") > 0
+
+@pytest.fixture(scope="module")
+def foreign_draft(tmp_path_factory, pair):
+    "A copy of the bundled draft whose tokenizer numbers two tokens the other way round: a different tokenizer."
+    d = tmp_path_factory.mktemp("foreign") / "draft"
+    shutil.copytree(bundled_dir("draft"), d)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    ids = pair.tokenizer.encode(PROBE)[:2]
+    inv = {v: k for k, v in tj["model"]["vocab"].items()}
+    a, b = inv[ids[0]], inv[ids[1]]
+    tj["model"]["vocab"][a], tj["model"]["vocab"][b] = ids[1], ids[0]
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    return d
+
+@pytest.mark.parametrize("args,says", [
+    (["--draft-kind", "early-exit", "--exit-layer", "9"], "not below the target's 6 layers"),
+    (["--draft-kind", "ngram", "--draft-model", "x/y"], "takes no --draft-model"),
+    (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    (["--max-queue", "0"], "--max-queue must be >= 1"),
+    (["--port", "70000"], "--port must be <= 65535"),
+    (["FOREIGN"], "do not share a tokenizer"),
+])
+def test_bad_start_up_fails_with_one_line(args, says, foreign_draft, fast_env):
+    if args == ["FOREIGN"]: args = ["--model", str(bundled_dir("target")), "--draft-model", str(foreign_draft)]
+    exe = Path(sys.executable).with_name("specnb")
+    r = subprocess.run([str(exe), "serve", "--port", "0", *args], capture_output=True, text=True, timeout=300, env=fast_env)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert r.stderr.startswith("specnb: error:") and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+@pytest.mark.parametrize("kind", ["ngram", "early-exit"])
+def test_other_draft_kinds_serve_the_same_text(kind, client):
+    "Every draft kind is lossless through the server, and the prompt cache works without a draft cache."
+    ref = client.completions.create(model=MODEL, prompt="def read_config(path):\n    ", max_tokens=40).choices[0].text
+    with running_server("--draft-kind", kind, "--exit-layer", "3") as u:
+        c = openai.OpenAI(base_url=u + "/v1", api_key="not-needed", max_retries=0)
+        assert httpx.get(u + "/health").json()["draft_kind"] == kind
+        r = c.completions.create(model=MODEL, prompt="def read_config(path):\n    ", max_tokens=40)
+        assert r.choices[0].text == ref and r.usage.speculation["rounds"] > 0
+        again = c.completions.create(model=MODEL, prompt="def read_config(path):\n    " + ref + "\n", max_tokens=10)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
