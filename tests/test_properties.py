@@ -1,4 +1,5 @@
-"Property test of the executor: any model, draft source, prompt, γ, max_tokens, EOS and halting point gives plain greedy's tokens and a consistent cache."
+"""Property test of the executor: any model, draft source, prompt, γ, max_tokens, EOS and halting point gives plain greedy's
+tokens and a consistent cache — and a follow-up turn on the saved target and draft caches gives a fresh run's tokens."""
 import mlx.core as mx
 from hypothesis import assume, given, settings, strategies as st, HealthCheck
 from mlx_lm.models.cache import make_prompt_cache
@@ -20,8 +21,9 @@ def models(seed, window, noise):
 @given(seed=st.integers(0, 3), window=st.sampled_from([None, 16]), noise=st.sampled_from([0.0, 0.03, 0.1, 1.0]),
        prompt=st.lists(st.integers(0, 127), min_size=1, max_size=24), gamma=st.integers(1, 6),
        max_tokens=st.integers(1, 30), halt=st.one_of(st.none(), st.integers(1, 30)), eos=st.one_of(st.none(), st.integers(0, 127)),
-       source=st.sampled_from(["two-model", "ngram", "early-exit", "adaptive"]), ngram=st.tuples(st.integers(1, 2), st.integers(0, 3)))
-def test_spec_equals_plain(seed, window, noise, prompt, gamma, max_tokens, halt, eos, source, ngram):
+       source=st.sampled_from(["two-model", "ngram", "early-exit", "adaptive"]), ngram=st.tuples(st.integers(1, 2), st.integers(0, 3)),
+       follow=st.lists(st.integers(0, 127), min_size=1, max_size=6))
+def test_spec_equals_plain(seed, window, noise, prompt, gamma, max_tokens, halt, eos, source, ngram, follow):
     target, draft = models(seed, window, noise)
     eos_ids = [] if eos is None else [eos]
     plain = generate(target, prompt, max_tokens=max_tokens, eos_token_ids=eos_ids)
@@ -30,11 +32,11 @@ def test_spec_equals_plain(seed, window, noise, prompt, gamma, max_tokens, halt,
         seen.append(t)
         return halt is None or len(seen) < halt
     assume(not (source == "early-exit" and window))   # early exit reads plain KVCache layers only
-    provider = {"two-model": lambda: TwoModelProvider(draft),
+    make = lambda: {"two-model": lambda: TwoModelProvider(draft),
                 "ngram": lambda: NgramProvider(min_ngram=ngram[0], max_ngram=ngram[0] + ngram[1]),
                 "early-exit": lambda: EarlyExitProvider(1),
                 "adaptive": lambda: AdaptiveProvider(TwoModelProvider(draft), start=min(2, gamma))}[source]()
-    res = spec_generate(target, provider, prompt, num_draft_tokens=gamma, max_tokens=max_tokens,
+    res = spec_generate(target, make(), prompt, num_draft_tokens=gamma, max_tokens=max_tokens,
                         eos_token_ids=eos_ids, prompt_cache=cache, on_token=on_token)
     expected = plain.tokens if halt is None else plain.tokens[:halt]
     assert res.tokens == expected == seen
@@ -46,3 +48,10 @@ def test_spec_equals_plain(seed, window, noise, prompt, gamma, max_tokens, halt,
     assert res.fed <= len(res.tokens) and res.fed >= len(res.tokens) - 1
     s = res.stats
     assert s.accepted <= s.drafted and sum(s.accepted_lengths) == s.accepted and sum(s.drafted_by_pos) == s.drafted
+    # the source's saved caches hold the same tokens; a follow-up turn on both caches equals a fresh run
+    held = prompt + res.tokens[:res.fed]
+    if res.draft_cache is not None: assert all(c.offset == len(held) for c in res.draft_cache)
+    new = res.tokens[res.fed:] + follow
+    again = spec_generate(target, make(), new, num_draft_tokens=gamma, max_tokens=8, eos_token_ids=eos_ids, prompt_cache=cache,
+                          cached_tokens=held, draft_cache=res.draft_cache)
+    assert again.tokens == generate(target, held + new, max_tokens=8, eos_token_ids=eos_ids).tokens
