@@ -332,7 +332,8 @@ def make_job(engine:Engine, req:_Sampling, endpoint:str, prompt:list, grammar)->
     if len(stop) > 16: raise APIError(400, f"at most 16 stop sequences, got {len(stop)}", "stop")
     temp = engine.temp if req.temperature is None else req.temperature
     procs = make_logits_processors(bias, req.repetition_penalty, 20, req.presence_penalty, 20, req.frequency_penalty, 20)
-    return Job(endpoint, prompt, max_tokens, sampler=make_sampler(temp=temp, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k),
+    sampler = None if temp == 0 else make_sampler(temp=temp, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)   # None: greedy's fast path
+    return Job(endpoint, prompt, max_tokens, sampler=sampler,
                logits_processors=procs or None, grammar=grammar, stop=stop,
                num_draft_tokens=engine.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens, seed=req.seed)
 
