@@ -2,6 +2,7 @@
 __version__ = "0.0.1"
 
 from . import models
+from .accept import Sampling
 from .executor import spec_generate, spec_stream, generate, SpecResult, SpecStats, SpecStream
 from .sources.base import DraftProvider, DraftSource, TargetView, NoDraft
 from .sources.two_model import TwoModelProvider

@@ -10,7 +10,7 @@ __all__ = ['DRAFT_KINDS', 'draft_kind', 'make_provider', 'load_drafting', 'cmd_g
 # %% ../nbs/07a_cli.ipynb #8e948cbe
 import argparse, sys
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
+from .accept import Sampling
 from .models import load_pair
 from .sources.two_model import TwoModelProvider, check_p_min
 from .sources.ngram import NgramProvider
@@ -59,6 +59,8 @@ def _model_args(p):
     p.add_argument("--exit-layer", type=int, default=2, help="early-exit drafts with this many of the target's layers (default 2)")
     p.add_argument("--adaptive", action="store_true", help="adapt the draft length per round (up to --num-draft-tokens)")
     p.add_argument("--draft-p-min", type=float, default=None, help="two-model: stop drafting when the draft's top probability is below this")
+    p.add_argument("--acceptance", choices=("match", "rejection"), default="match",
+                   help="when sampling: keep a draft the target samples too (match), or speculative sampling (rejection: keeps more)")
 
 def _parser():
     p = argparse.ArgumentParser(prog="specnb", description="Speculative decoding for MLX.")
@@ -68,6 +70,9 @@ def _parser():
     _model_args(g)
     g.add_argument("--max-tokens", type=int, default=256, help="maximum tokens to generate (default 256)")
     g.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
+    g.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling: keep this much probability mass (default 0: off)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with at least this fraction of the top probability (default 0: off)")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (see specnb.serve)")
@@ -86,7 +91,7 @@ def _parser():
 def cmd_generate(args, out=sys.stdout, err=sys.stderr):
     "Run `specnb generate`: stream the text to `out`, then one statistics line to `err`."
     if args.max_tokens < 1: raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.temp < 0: raise ValueError(f"--temp must be >= 0, got {args.temp}")
+    sampling = Sampling(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)   # bad values: a ValueError naming them
     pair, provider, kind = load_drafting(args)
     tok = pair.tokenizer
     if args.seed is not None: mx.random.seed(args.seed)
@@ -94,13 +99,13 @@ def cmd_generate(args, out=sys.stdout, err=sys.stderr):
     prompt = tok.encode(text, add_special_tokens=not args.chat)
     text = DecodedText(tok)
     stream = spec_stream(pair.target, provider, prompt, num_draft_tokens=args.num_draft_tokens, max_tokens=args.max_tokens,
-                         eos_token_ids=tok.eos_token_ids, sampler=make_sampler(temp=args.temp))
+                         eos_token_ids=tok.eos_token_ids, sampler=sampling if args.temp > 0 else None, acceptance=args.acceptance)
     with stream:
         for t in stream:
             out.write(text.add(t)); out.flush()
     out.write(text.finish() + "\n"); out.flush()
     st = stream.result.stats
-    print(f"[{kind}] " + st.summary() + ("" if provider else " | plain decoding"), file=err)
+    print(f"[{kind}{', rejection sampling' if st.rule == 'rejection' else ''}] " + st.summary() + ("" if provider else " | plain decoding"), file=err)
     return stream.result
 
 def main(argv=None):

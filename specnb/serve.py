@@ -26,7 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, CONTENT_TYPE_LATEST
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache, can_trim_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import make_sampler, make_logits_processors
+from mlx_lm.sample_utils import make_logits_processors
+from .accept import Sampling
 from .executor import spec_stream, spec_generate
 from .grammar import from_json_schema, json_object
 from .cli import load_drafting, DecodedText
@@ -122,6 +123,7 @@ class Job:
     grammar: object = None
     stop: list = field(default_factory=list)
     num_draft_tokens: int = 3     # 0: no speculation
+    acceptance: str = "match"     # or "rejection": speculative sampling
     seed: int | None = None
     loop: asyncio.AbstractEventLoop | None = None   # the HTTP side's event loop, which waits for the events
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -146,7 +148,7 @@ class Job:
 
 def speculation_usage(st)->dict:
     "The `usage.speculation` object of a response, from the request's `SpecStats`."
-    return {"drafted": st.drafted, "accepted": st.accepted, "target_calls": st.target_calls, "rounds": st.rounds,
+    return {"rule": st.rule, "drafted": st.drafted, "accepted": st.accepted, "target_calls": st.target_calls, "rounds": st.rounds,
             "acceptance_rate": round(st.acceptance_rate, 4), "mean_accepted_length": round(st.mean_accepted_length, 4),
             "drafted_by_position": list(st.drafted_by_pos), "accepted_by_position": list(st.accepted_by_pos)}
 
@@ -156,9 +158,10 @@ log = logging.getLogger("specnb.serve")
 class Engine:
     "The model worker: one thread runs queued requests, one at a time, through the executor."
     def __init__(self, pair, provider=None, *, model_id:str="specnb-bundled", draft_kind:str="two-model", num_draft_tokens:int=3,
-                 max_queue:int=16, prompt_cache_size:int=10, max_tokens:int=512, max_tokens_limit:int=32768, temp:float=0.0):
+                 max_queue:int=16, prompt_cache_size:int=10, max_tokens:int=512, max_tokens_limit:int=32768, temp:float=0.0,
+                 acceptance:str="match"):
         self.model, self.tokenizer, self.provider = pair.target, pair.tokenizer, provider
-        self.model_id, self.draft_kind, self.num_draft_tokens, self.temp = model_id, draft_kind, num_draft_tokens, temp
+        self.model_id, self.draft_kind, self.num_draft_tokens, self.temp, self.acceptance = model_id, draft_kind, num_draft_tokens, temp, acceptance
         self.max_tokens, self.max_tokens_limit = max_tokens, max_tokens_limit
         self.vocab_size = self.model.model.embed_tokens.weight.shape[0] if hasattr(self.model, "model") else None
         self.jobs = queue.Queue(maxsize=max_queue)
@@ -208,7 +211,8 @@ class Engine:
         stream = spec_stream(self.model, self.provider if speculate else None, job.prompt[n_cached:],
                              num_draft_tokens=max(job.num_draft_tokens, 1), max_tokens=job.max_tokens,
                              eos_token_ids=tok.eos_token_ids, sampler=job.sampler, logits_processors=job.logits_processors,
-                             grammar=job.grammar, prompt_cache=target_cache, cached_tokens=job.prompt[:n_cached], draft_cache=draft_cache)
+                             grammar=job.grammar, prompt_cache=target_cache, cached_tokens=job.prompt[:n_cached], draft_cache=draft_cache,
+                             acceptance=job.acceptance)
         text, stop, finish = DecodedText(tok), StopText(job.stop), None
         with stream:   # leaving it closes the executor's loop: the caches hold prompt + tokens[:fed]
             for i, t in enumerate(stream):
@@ -268,6 +272,7 @@ class _Sampling(_Body):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     response_format: ResponseFormat | None = None
     num_draft_tokens: int | None = Field(None, ge=0, le=32)
+    acceptance: Literal["match", "rejection"] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
@@ -332,8 +337,8 @@ def make_job(engine:Engine, req:_Sampling, endpoint:str, prompt:list, grammar)->
     if len(stop) > 16: raise APIError(400, f"at most 16 stop sequences, got {len(stop)}", "stop")
     temp = engine.temp if req.temperature is None else req.temperature
     procs = make_logits_processors(bias, req.repetition_penalty, 20, req.presence_penalty, 20, req.frequency_penalty, 20)
-    sampler = None if temp == 0 else make_sampler(temp=temp, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)   # None: greedy's fast path
-    return Job(endpoint, prompt, max_tokens, sampler=sampler,
+    sampler = None if temp == 0 else Sampling(temp=temp, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)   # None: greedy's fast path
+    return Job(endpoint, prompt, max_tokens, sampler=sampler, acceptance=req.acceptance or engine.acceptance,
                logits_processors=procs or None, grammar=grammar, stop=stop,
                num_draft_tokens=engine.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens, seed=req.seed)
 
@@ -491,7 +496,7 @@ def cmd_serve(args):
     pair, provider, kind = load_drafting(args)
     engine = Engine(pair, provider, model_id=args.served_model_name or args.model or "specnb-bundled", draft_kind=kind,
                     num_draft_tokens=args.num_draft_tokens, max_queue=args.max_queue, prompt_cache_size=args.prompt_cache_size,
-                    max_tokens=args.max_tokens, max_tokens_limit=args.max_tokens_limit, temp=args.temp)
+                    max_tokens=args.max_tokens, max_tokens_limit=args.max_tokens_limit, temp=args.temp, acceptance=args.acceptance)
     json_object(pair.tokenizer)   # builds xgrammar's tables for this tokenizer now, not on the first structured request
     spec_generate(pair.target, provider, pair.tokenizer.encode("Hello") or [0], max_tokens=2)   # warms MLX's kernels
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")

@@ -3,7 +3,7 @@ tokens and a consistent cache — and a follow-up turn on the saved target and d
 import mlx.core as mx
 from hypothesis import assume, given, settings, strategies as st, HealthCheck
 from mlx_lm.models.cache import make_prompt_cache
-from specnb import spec_generate, generate, TwoModelProvider
+from specnb import spec_generate, generate, TwoModelProvider, Sampling
 from specnb.sources.ngram import NgramProvider
 from specnb.sources.early_exit import EarlyExitProvider
 from specnb.sources.adaptive import AdaptiveProvider
@@ -55,3 +55,32 @@ def test_spec_equals_plain(seed, window, noise, prompt, gamma, max_tokens, halt,
     again = spec_generate(target, make(), new, num_draft_tokens=gamma, max_tokens=8, eos_token_ids=eos_ids, prompt_cache=cache,
                           cached_tokens=held, draft_cache=res.draft_cache)
     assert again.tokens == generate(target, held + new, max_tokens=8, eos_token_ids=eos_ids).tokens
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 3), window=st.sampled_from([None, 16]), prompt=st.lists(st.integers(0, 127), min_size=1, max_size=24),
+       gamma=st.integers(1, 6), max_tokens=st.integers(1, 30), halt=st.one_of(st.none(), st.integers(1, 30)),
+       eos=st.one_of(st.none(), st.integers(0, 127)), rule=st.sampled_from(["match", "rejection"]),
+       source=st.sampled_from(["two-model", "ngram", "early-exit"]), temp=st.sampled_from([0.5, 1.0, 1.5]),
+       top_p=st.sampled_from([0.0, 0.9]), top_k=st.sampled_from([0, 5]), draw=st.integers(0, 2**16))
+def test_sampled_rounds_keep_the_invariant(seed, window, prompt, gamma, max_tokens, halt, eos, rule, source, temp, top_p, top_k, draw):
+    "Sampling under either rule: exact max_tokens and halting, no EOS emitted, a cache holding prompt + fed, consistent stats, reproducible."
+    assume(not (source == "early-exit" and window))
+    target, draft = models(seed, window, 0.1)
+    make = {"two-model": lambda: TwoModelProvider(draft), "ngram": lambda: NgramProvider(), "early-exit": lambda: EarlyExitProvider(1)}[source]
+    def run():
+        mx.random.seed(draw)
+        cache, seen = make_prompt_cache(target), []
+        def on_token(t):
+            seen.append(t)
+            return halt is None or len(seen) < halt
+        r = spec_generate(target, make(), prompt, num_draft_tokens=gamma, max_tokens=max_tokens, eos_token_ids=[] if eos is None else [eos],
+                          sampler=Sampling(temp=temp, top_p=top_p, top_k=top_k), acceptance=rule, prompt_cache=cache, on_token=on_token)
+        return r, cache, seen
+    res, cache, seen = run()
+    assert res.tokens == seen and len(res.tokens) <= min(max_tokens, halt or max_tokens)
+    assert eos is None or eos not in res.tokens
+    assert res.finish_reason in ("stop", "length", None) and (res.finish_reason != "length" or len(res.tokens) == max_tokens)
+    assert all(c.offset == len(prompt) + res.fed for c in cache) and len(res.tokens) - 1 <= res.fed <= len(res.tokens)
+    s = res.stats
+    assert s.rule == rule and s.accepted <= s.drafted and sum(s.accepted_lengths) == s.accepted and sum(s.drafted_by_pos) == s.drafted
+    assert run()[0].tokens == res.tokens   # the same seed, the same tokens

@@ -117,6 +117,15 @@ def test_seeded_sampling_is_reproducible(client):
               extra_body={"top_k": 50, "min_p": 0.02, "repetition_penalty": 1.1})
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
+def test_rejection_sampling_per_request(client):
+    kw = dict(model=MODEL, prompt="def f(x):\n    ", max_tokens=40, temperature=1.0, seed=11)
+    rej = [client.completions.create(**kw, extra_body={"acceptance": "rejection", "logit_bias": NO_EOS}) for _ in range(2)]
+    match = client.completions.create(**kw, extra_body={"logit_bias": NO_EOS})
+    assert rej[0].choices[0].text == rej[1].choices[0].text                     # seeded: reproducible
+    assert rej[0].usage.speculation["rule"] == "rejection" and match.usage.speculation["rule"] == "match"
+    greedy = client.completions.create(model=MODEL, prompt="x = ", max_tokens=5, extra_body={"acceptance": "rejection"})
+    assert greedy.usage.speculation["rule"] == "match"                           # at temperature 0 the rules coincide
+
 def test_prompt_cache_follow_up(client, pair):
     msgs = [{"role": "user", "content": "def mean(xs):"}]
     a1 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30, extra_body={"logit_bias": NO_EOS})
@@ -185,6 +194,8 @@ BAD = [  # (endpoint, body, text the error message must contain)
     ("completions", {"prompt": "x", "logit_bias": {"5": 500}}, "500"),
     ("completions", {"prompt": "x", "num_draft_tokens": -1}, "num_draft_tokens"),
     ("completions", {"prompt": "x", "echo": True}, "echo"),
+    ("completions", {"prompt": "x", "acceptance": "sometimes"}, "acceptance"),
+    ("completions", {"prompt": "x", "temperature": 1, "top_p": 0}, "top_p"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "wizard"),
     ("chat/completions", {"messages": "hello"}, "messages"),

@@ -29,6 +29,7 @@ class AdaptiveSource:
         all_kept = k == d == self.asked
         self.gamma = min(self.gamma + self.up, self.ceiling) if all_kept else max(self.lo, self.gamma - self.down)
     def save(self, held): return self.inner.save(held)
+    def draft_logprobs(self): return self.inner.draft_logprobs()
     def close(self): self.inner.close()
 
 class AdaptiveProvider:

@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from ..accept import sample_positions
-from .base import TargetView
+from .base import TargetView, draft_distribution
 
 # %% ../../nbs/05d_early_exit.ipynb #2d10cdc2
 class EarlyExitSource:
@@ -23,11 +23,12 @@ class EarlyExitSource:
         inner = target.model.model
         self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers[:exit_layer], inner.norm
         self.head = getattr(target.model, "lm_head", None) or inner.embed_tokens.as_linear
-        self.cache, self.sampler = target.cache[:exit_layer], sampler
+        self.cache, self.sampler, self.logits = target.cache[:exit_layer], sampler, []
 
     def prefill(self, prompt_ids, ctx=None): pass   # the target's prefill already wrote the KV these layers need
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
+        self.logits = []
         if n == 0: return []
         start = [c.offset for c in self.cache]
         y, out = mx.array([feed[-1:]], mx.uint32), []
@@ -35,13 +36,18 @@ class EarlyExitSource:
             h = self.embed(y)
             mask = create_attention_mask(h, self.cache[0])
             for layer, c in zip(self.layers, self.cache): h = layer(h, mask, cache=c)
-            y = sample_positions(self.head(self.norm(h[:, -1])), self.sampler)[None]
+            logits = self.head(self.norm(h[:, -1]))
+            y = sample_positions(logits, self.sampler)[None]
             mx.async_eval(y)
-            out.append(y)
+            out.append(y); self.logits.append(logits)
         for c, o in zip(self.cache, start): c.trim(c.offset - o)   # give the target its caches back as they were
         return mx.concatenate(out, axis=1)[0]   # lazy: the verify forward overwrites those positions afterwards
 
     def commit(self, d, k, ctx=None): pass   # nothing of its own to roll back
+    def draft_logprobs(self):
+        "The distributions the last drafts were sampled from (lazy), for the rejection rule."
+        return draft_distribution(self.logits, self.sampler)
+
     def save(self, held): return []   # its caches are the target's
     def close(self): self.cache = None
 

@@ -49,6 +49,7 @@ class NgramSource:
         self._push(self.last[: min(k, d - 1)])  # the last kept draft (if all were kept) comes back in the feed
 
     def save(self, held): return []   # nothing worth keeping: prefill rebuilds the index from the prompt
+    def draft_logprobs(self): return None   # a lookup has no distribution: the round falls back to exact match
     def close(self): self.history, self.index, self.last = [], {}, []
 
 # %% ../../nbs/05b_ngram.ipynb #de1419cb

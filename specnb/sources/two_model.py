@@ -14,7 +14,7 @@ from ..models import check_vocab
 from ..prefill import prefill_drain
 from ..accept import sample_positions
 from ..rollback import rollback
-from .base import TargetView
+from .base import TargetView, draft_distribution
 
 # %% ../../nbs/05a_two_model.ipynb #4462334a
 class TwoModelSource:
@@ -23,7 +23,7 @@ class TwoModelSource:
 
     def __init__(self, model, sampler=None, logits_processors=None, prefill_step_size=2048, p_min=None):
         self.model, self.sampler, self.procs, self.step_size = model, sampler, logits_processors or None, prefill_step_size
-        self.p_min, self.cache, self.history = p_min, make_prompt_cache(model), None
+        self.p_min, self.cache, self.history, self.logits = p_min, make_prompt_cache(model), None, []
 
     def prefill(self, prompt_ids, ctx=None):
         "Read the prompt, all but its last token (the first `feed`); `ctx`: saved caches already holding a prefix of it."
@@ -36,7 +36,7 @@ class TwoModelSource:
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
         "Read `feed`, then propose `n` tokens by plain decoding."
-        y, out = mx.array(feed, mx.uint32), []
+        y, out, self.logits = mx.array(feed, mx.uint32), [], []
         if n == 0:  # still read the feed: the next round's feed assumes it
             self.model(y[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
@@ -51,7 +51,7 @@ class TwoModelSource:
             if self.p_min is not None and mx.softmax(logits, axis=-1).max().item() < self.p_min:
                 break   # not confident: this token is not proposed (and costs a host sync per step)
             mx.async_eval(y)
-            out.append(y)
+            out.append(y); self.logits.append(logits)
         return mx.concatenate(out) if out else []   # lazy: evaluated together with the verify forward
 
     def commit(self, d, k, ctx=None):
@@ -59,6 +59,10 @@ class TwoModelSource:
         r = max(d - k - 1, 0)
         rollback(self.cache, r)
         if self.procs and r: self.history = self.history[: self.history.size - r]
+
+    def draft_logprobs(self):
+        "The distributions the last drafts were sampled from, lazily: nothing is computed unless the rejection rule reads them."
+        return draft_distribution(self.logits, self.sampler)
 
     def save(self, held):
         "Hand over the draft's cache holding exactly `held`: trim what the target rejected, read the one draft never read."
