@@ -117,7 +117,8 @@ def _run(model, provider, prompt, res, *, num_draft_tokens=3, max_tokens=256, eo
     source = None
     if provider is not None:
         check_rollbackable(cache)
-        source = provider.open(sampler=sampler, logits_processors=procs, target=TargetView(model, cache), prefill_step_size=prefill_step_size)
+        source = provider.open(sampler=sampler, logits_processors=procs, target=TargetView(model, cache), prefill_step_size=prefill_step_size,
+                               grammar=grammar)
     t0 = t1 = time.perf_counter()
     try:
         prefill_drain(model, cache, prompt[:-1], prefill_step_size)

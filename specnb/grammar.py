@@ -17,8 +17,8 @@ from xgrammar.kernels.apply_token_bitmask_mlx import apply_token_bitmask_mlx
 # %% ../nbs/06_grammar.ipynb #bb079b02
 class Grammar:
     "A per-request grammar: an xgrammar matcher behind the accept walk's `mask` / `advance` / `terminated`."
-    def __init__(self, compiled:xgr.CompiledGrammar, vocab_size:int, stop_token_ids):
-        self.matcher, self.vocab_size = xgr.GrammarMatcher(compiled), vocab_size
+    def __init__(self, compiled:xgr.CompiledGrammar|None, vocab_size:int, stop_token_ids, matcher=None):
+        self.matcher, self.vocab_size = matcher or xgr.GrammarMatcher(compiled), vocab_size
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         stop = np.zeros(self.bitmask.shape, np.int32)
@@ -40,6 +40,17 @@ class Grammar:
         if self.matcher.is_terminated(): self.terminated = True; return
         self._fill()   # the next position's mask, needed anyway: is anything but a stop token still allowed?
         self.terminated = not np.any(self.bitmask.numpy() & self._not_stop)
+
+    def allows(self, token:int)->bool:
+        "May `token` come next?"
+        self._fill()
+        return bool(int(self.bitmask.numpy()[0, token // 32]) >> (token % 32) & 1)
+
+    def fork(self)->"Grammar":
+        "An independent copy at the same position (xgrammar's `fork`): a draft walks ahead on it, the original stays put."
+        g = Grammar(None, self.vocab_size, self.stop_token_ids, matcher=self.matcher.fork())
+        g.terminated = self.terminated
+        return g
 
 # %% ../nbs/06_grammar.ipynb #fb921800
 _COMPILERS = {}
@@ -88,13 +99,18 @@ def from_choices(tokenizer, choices)->Grammar:
     return _grammar(tokenizer, "choices", lambda c: c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in choices)))
 
 # %% ../nbs/06_grammar.ipynb #28900b7b
-def timed_grammar(g:Grammar)->Grammar:
-    "Instrument a `Grammar`: `g.host_s` accumulates the time spent in `mask` and `advance` (fill, copy, accept)."
+def timed_grammar(g:Grammar, total:Grammar|None=None)->Grammar:
+    "Instrument a `Grammar`: `host_s` accumulates the time spent in `mask`, `advance`, `allows` and `fork` — also by its forks (the drafts')."
     import time
-    g.host_s, mask, advance = 0.0, g.mask, g.advance
-    def _mask(logits):
-        t0 = time.perf_counter(); out = mask(logits); g.host_s += time.perf_counter() - t0; return out
-    def _advance(t):
-        t0 = time.perf_counter(); advance(t); g.host_s += time.perf_counter() - t0
-    g.mask, g.advance = _mask, _advance
+    total = total or g
+    if total is g: g.host_s = 0.0
+    def timed(f):
+        def run(*a):
+            t0 = time.perf_counter()
+            try: return f(*a)
+            finally: total.host_s += time.perf_counter() - t0
+        return run
+    g.mask, g.advance, g.allows = timed(g.mask), timed(g.advance), timed(g.allows)
+    fork = timed(g.fork)
+    g.fork = lambda: timed_grammar(fork(), total)
     return g

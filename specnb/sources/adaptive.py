@@ -37,6 +37,6 @@ class AdaptiveProvider:
     def __init__(self, inner, start:int=3, lo:int=1, up:int=2, down:int=1):
         if not 1 <= lo <= start: raise ValueError(f"need 1 <= lo <= start, got lo={lo}, start={start}")
         self.inner, self.start, self.lo, self.up, self.down = inner, start, lo, up, down
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048)->AdaptiveSource:
+    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->AdaptiveSource:
         return AdaptiveSource(self.inner.open(sampler=sampler, logits_processors=logits_processors, target=target,
-                                              prefill_step_size=prefill_step_size), self.start, self.lo, self.up, self.down)
+                                              prefill_step_size=prefill_step_size, grammar=grammar), self.start, self.lo, self.up, self.down)

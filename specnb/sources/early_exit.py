@@ -12,18 +12,18 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from ..accept import sample_positions
-from .base import TargetView, draft_distribution
+from .base import TargetView, draft_distribution, fork_grammar
 
 # %% ../../nbs/05d_early_exit.ipynb #2d10cdc2
 class EarlyExitSource:
     "Drafts with the first `exit_layer` layers of the target, on the target's own caches."
     tap_layers = None
 
-    def __init__(self, target:TargetView, exit_layer:int, sampler=None):
+    def __init__(self, target:TargetView, exit_layer:int, sampler=None, grammar=None):
         inner = target.model.model
         self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers[:exit_layer], inner.norm
         self.head = getattr(target.model, "lm_head", None) or inner.embed_tokens.as_linear
-        self.cache, self.sampler, self.logits = target.cache[:exit_layer], sampler, []
+        self.cache, self.sampler, self.logits, self.grammar = target.cache[:exit_layer], sampler, [], grammar
 
     def prefill(self, prompt_ids, ctx=None): pass   # the target's prefill already wrote the KV these layers need
 
@@ -31,15 +31,18 @@ class EarlyExitSource:
         self.logits = []
         if n == 0: return []
         start = [c.offset for c in self.cache]
-        y, out = mx.array([feed[-1:]], mx.uint32), []
+        y, out, g = mx.array([feed[-1:]], mx.uint32), [], fork_grammar(self.grammar)
         for _ in range(n):
             h = self.embed(y)
             mask = create_attention_mask(h, self.cache[0])
             for layer, c in zip(self.layers, self.cache): h = layer(h, mask, cache=c)
             logits = self.head(self.norm(h[:, -1]))
+            if g is not None: logits = g.mask(logits)
             y = sample_positions(logits, self.sampler)[None]
-            mx.async_eval(y)
+            if g is not None: g.advance(y.item())   # the fork needs the token before it can mask the next position
+            else: mx.async_eval(y)
             out.append(y); self.logits.append(logits)
+            if g is not None and g.terminated: break
         for c, o in zip(self.cache, start): c.trim(c.offset - o)   # give the target its caches back as they were
         return mx.concatenate(out, axis=1)[0]   # lazy: the verify forward overwrites those positions afterwards
 
@@ -69,7 +72,7 @@ class EarlyExitProvider:
         bad = {type(c).__name__ for c in model.make_cache()[:self.exit_layer] if type(c) is not KVCache} if hasattr(model, "make_cache") else set()
         if bad: raise ValueError(f"early exit reads plain KVCache layers; the first {self.exit_layer} layers use {sorted(bad)}")
 
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048)->EarlyExitSource:
+    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->EarlyExitSource:
         if target is None: raise ValueError("the early-exit source reads the target: open it with target=TargetView(model, cache)")
         self.check(target.model)
-        return EarlyExitSource(target, self.exit_layer, sampler)
+        return EarlyExitSource(target, self.exit_layer, sampler, grammar)

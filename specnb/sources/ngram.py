@@ -60,5 +60,7 @@ class NgramProvider:
         if match not in ("recent", "first"): raise ValueError(f"match must be 'recent' or 'first', got {match!r}")
         self.max_ngram, self.min_ngram, self.match = max_ngram, min_ngram, match
 
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048)->NgramSource:
+    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->NgramSource:
+        # a grammar changes nothing here: cutting a proposal at its first forbidden token keeps the same drafts (the walk
+        # stops there anyway) and costs a mask fill per token — 0.78x decode speed when measured (the grammar notebook)
         return NgramSource(self.max_ngram, self.min_ngram, self.match)

@@ -14,15 +14,15 @@ from ..models import check_vocab
 from ..prefill import prefill_drain
 from ..accept import sample_positions
 from ..rollback import rollback
-from .base import TargetView, draft_distribution
+from .base import TargetView, draft_distribution, fork_grammar
 
 # %% ../../nbs/05a_two_model.ipynb #4462334a
 class TwoModelSource:
     "Per-request state of a two-model drafter: the draft's cache and, with logits processors, its token history."
     tap_layers = None
 
-    def __init__(self, model, sampler=None, logits_processors=None, prefill_step_size=2048, p_min=None):
-        self.model, self.sampler, self.procs, self.step_size = model, sampler, logits_processors or None, prefill_step_size
+    def __init__(self, model, sampler=None, logits_processors=None, prefill_step_size=2048, p_min=None, grammar=None):
+        self.model, self.sampler, self.procs, self.step_size, self.grammar = model, sampler, logits_processors or None, prefill_step_size, grammar
         self.p_min, self.cache, self.history, self.logits = p_min, make_prompt_cache(model), None, []
 
     def prefill(self, prompt_ids, ctx=None):
@@ -42,16 +42,20 @@ class TwoModelSource:
             mx.eval([c.state for c in self.cache])
             if self.procs: self.history = mx.concatenate([self.history, y])
             return []
+        g = fork_grammar(self.grammar)
         for _ in range(n):
             logits = self.model(y[None], cache=self.cache)[:, -1]
             if self.procs:
                 self.history = mx.concatenate([self.history, y])
                 for p in self.procs: logits = p(self.history, logits)
-            y = sample_positions(logits, self.sampler)
+            if g is not None: logits = g.mask(logits)
             if self.p_min is not None and mx.softmax(logits, axis=-1).max().item() < self.p_min:
-                break   # not confident: this token is not proposed (and costs a host sync per step)
-            mx.async_eval(y)
+                break   # not confident: propose nothing more (and pay a host sync per step)
+            y = sample_positions(logits, self.sampler)
+            if g is not None: g.advance(y.item())   # the fork needs the token before it can mask the next position
+            else: mx.async_eval(y)
             out.append(y); self.logits.append(logits)
+            if g is not None and g.terminated: break   # only a stop token could follow
         return mx.concatenate(out) if out else []   # lazy: evaluated together with the verify forward
 
     def commit(self, d, k, ctx=None):
@@ -85,8 +89,8 @@ class TwoModelProvider:
     def __init__(self, draft_model, p_min:float|None=None):  # p_min: stop drafting below this draft confidence
         self.draft_model, self.p_min, self._checked = draft_model, check_p_min(p_min), {}
 
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048)->TwoModelSource:
+    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->TwoModelSource:
         if target is not None and id(target.model) not in self._checked:
             check_vocab(target.model, self.draft_model)
             self._checked[id(target.model)] = target.model  # holding it keeps its id from being reused
-        return TwoModelSource(self.draft_model, sampler, logits_processors, prefill_step_size, self.p_min)
+        return TwoModelSource(self.draft_model, sampler, logits_processors, prefill_step_size, self.p_min, grammar)
