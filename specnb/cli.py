@@ -11,7 +11,7 @@ __all__ = ['DRAFT_KINDS', 'draft_kind', 'make_provider', 'load_drafting', 'cmd_g
 import argparse, sys
 import mlx.core as mx
 from .accept import Sampling
-from .models import load_pair
+from .models import load_pair, blas_in_use, openblas_relaunch
 from .sources.two_model import TwoModelProvider, check_p_min
 from .sources.ngram import NgramProvider
 from .sources.early_exit import EarlyExitProvider
@@ -105,12 +105,14 @@ def cmd_generate(args, out=sys.stdout, err=sys.stderr):
             out.write(text.add(t)); out.flush()
     out.write(text.finish() + "\n"); out.flush()
     st = stream.result.stats
-    print(f"[{kind}{', rejection sampling' if st.rule == 'rejection' else ''}] " + st.summary() + ("" if provider else " | plain decoding"), file=err)
+    print(f"[{kind}{', rejection sampling' if st.rule == 'rejection' else ''}] " + st.summary() + ("" if provider else " | plain decoding")
+          + f" | BLAS {blas_in_use()}", file=err)
     return stream.result
 
 def main(argv=None):
     "The `specnb` command."
     args = _parser().parse_args(argv)
+    openblas_relaunch()   # on Linux, Debian's OpenBLAS when installed: several times faster fp32 (SPECNB_NO_OPENBLAS=1: off)
     try:
         if args.command == "generate": cmd_generate(args)
         if args.command == "serve":

@@ -31,6 +31,7 @@ from .accept import Sampling
 from .executor import spec_stream, spec_generate
 from .grammar import from_json_schema, json_object
 from .cli import load_drafting, DecodedText
+from .models import blas_in_use
 
 # %% ../nbs/08_serve.ipynb #336f7a50
 class StopText:
@@ -478,7 +479,7 @@ def make_app(engine:Engine)->FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": engine.model_id, "draft_kind": engine.draft_kind, "queue_depth": engine.jobs.qsize()}
+        return {"status": "ok", "model": engine.model_id, "draft_kind": engine.draft_kind, "queue_depth": engine.jobs.qsize(), "blas": blas_in_use()}
 
     @app.get("/metrics")
     async def metrics(): return Response(engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
@@ -500,7 +501,7 @@ def cmd_serve(args):
     json_object(pair.tokenizer)   # builds xgrammar's tables for this tokenizer now, not on the first structured request
     spec_generate(pair.target, provider, pair.tokenizer.encode("Hello") or [0], max_tokens=2)   # warms MLX's kernels
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    log.info(f"serving {engine.model_id} ({kind} drafting, γ={args.num_draft_tokens}) on http://{args.host}:{args.port}")
+    log.info(f"serving {engine.model_id} ({kind} drafting, γ={args.num_draft_tokens}, BLAS {blas_in_use()}) on http://{args.host}:{args.port}")
     uvicorn.run(make_app(engine), host=args.host, port=args.port, log_level=args.log_level)
 
 # %% ../nbs/08_serve.ipynb #33557f4d

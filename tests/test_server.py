@@ -8,7 +8,7 @@ import httpx, jsonschema, openai, pytest
 from mlx_lm.sample_utils import make_logits_processors
 from prometheus_client.parser import text_string_to_metric_families
 from specnb import spec_generate, TwoModelProvider
-from specnb.models import load_pair, bundled_dir, PROBE
+from specnb.models import load_pair, bundled_dir, PROBE, OPENBLAS
 from specnb.serve import running_server
 
 MODEL = "specnb-bundled"
@@ -229,6 +229,7 @@ def test_models_health_metrics(client, url):
     assert [m.id for m in client.models.list()] == [MODEL]
     h = httpx.get(url + "/health").json()
     assert (h["status"], h["model"], h["draft_kind"]) == ("ok", MODEL, "two-model")
+    assert h["blas"] == ("openblas" if OPENBLAS.exists() else "reference")   # the server restarts itself with OpenBLAS
     names = {f.name for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
     for n in ("specnb_requests", "specnb_generated_tokens", "specnb_drafted_tokens", "specnb_accepted_tokens", "specnb_accepted_tokens_by_position",
               "specnb_drafted_tokens_by_position", "specnb_target_calls", "specnb_queue_depth", "specnb_request_seconds",
