@@ -1,4 +1,4 @@
-"""`specnb generate` (and the entry to `specnb serve`): speculative decoding from the shell, on the bundled pair unless told otherwise.
+"""`specnb generate` (and the entry to `specnb serve` and `specnb bench`): speculative decoding from the shell, on the bundled pair unless told otherwise.
 
 Docs: https://specnb.github.io/specnb/cli.html.md"""
 
@@ -86,6 +86,17 @@ def _parser():
     s.add_argument("--temp", type=float, default=0.0, help="temperature when a request names none (default 0: greedy)")
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model, or specnb-bundled)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log level")
+    b = sub.add_parser("bench", help="benchmark plain decoding, each draft source and mlx-lm on one pair (see specnb.bench)")
+    b.add_argument("--model", help="target: a local mlx-lm folder or a hub id (default: the bundled target)")
+    b.add_argument("--draft-model", help="draft for the two-model source and mlx-lm (default: the bundled draft with the bundled target)")
+    b.add_argument("--sources", default="two-model,ngram,early-exit", help="draft sources, comma-separated (default: two-model,ngram,early-exit)")
+    b.add_argument("--gammas", default="1,2,3,4,5", help="draft lengths γ to sweep, comma-separated (default: 1,2,3,4,5)")
+    b.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    b.add_argument("--repeats", type=int, default=3, help="repeats after the warm-up (default 3)")
+    b.add_argument("--prompts", default="free", help="'free' (code prompts), 'grounded' (text the model copies) or a file of prompts separated by lines of '---'")
+    b.add_argument("--exit-layer", type=int, default=2, help="layers the early-exit source drafts with (default 2)")
+    b.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's speculative_generate_step")
+    b.add_argument("--out", default="specnb-bench", help="folder for bench.json and the plots (default ./specnb-bench)")
     return p
 
 def cmd_generate(args, out=sys.stdout, err=sys.stderr):
@@ -118,6 +129,9 @@ def main(argv=None):
         if args.command == "serve":
             from specnb.serve import cmd_serve   # the server's stack (FastAPI, uvicorn) loads only for `serve`
             cmd_serve(args)
+        if args.command == "bench":
+            from specnb.bench import cmd_bench   # higher up the stack than the CLI: imported only when asked for
+            cmd_bench(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"specnb: error: {e}", file=sys.stderr)
         sys.exit(2)
