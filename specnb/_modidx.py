@@ -273,4 +273,7 @@ d = { 'settings': { 'branch': 'main',
                                                                                             'specnb/sources/two_model.py'),
                                           'specnb.sources.two_model.check_p_min': ( 'two_model.html#check_p_min',
                                                                                     'specnb/sources/two_model.py')},
-            'specnb.verify': {'specnb.verify.verify_forward': ('verify.html#verify_forward', 'specnb/verify.py')}}}
+            'specnb.verify': {'specnb.verify.verify_forward': ('verify.html#verify_forward', 'specnb/verify.py')},
+            'specnb.widget': { 'specnb.widget.annotate': ('widget.html#annotate', 'specnb/widget.py'),
+                               'specnb.widget.render': ('widget.html#render', 'specnb/widget.py'),
+                               'specnb.widget.watch': ('widget.html#watch', 'specnb/widget.py')}}}

@@ -138,8 +138,9 @@ SOURCES = {"two-model": lambda pair, exit_layer: TwoModelProvider(pair.draft),
 
 def _machine()->dict:
     "What ran the benchmark: the machine, the BLAS, the versions, the commit."
-    try: commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip() or None
-    except (OSError, NameError): commit = None
+    here = Path(__file__).parent if "__file__" in globals() else Path.cwd()   # a notebook has no __file__
+    try: commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip() or None
+    except OSError: commit = None
     return dict(platform=platform.platform(), cpus=os.cpu_count(), blas=blas_in_use(), mlx=mx.__version__,
                 mlx_lm=importlib.metadata.version("mlx-lm"), specnb=importlib.metadata.version("specnb"), commit=commit,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
