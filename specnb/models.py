@@ -170,7 +170,7 @@ def gguf_weights(weights:dict, dtype:str="float32")->tuple[dict, dict|None]:
         bits = w.shape[-1] // scales.shape[-1]  # uint32 words per group of 32 weights == bits per weight
         if dtype == "quantized":
             for leaf_ in ("weight", "scales", "biases"): out[gguf_tensor_name(f"{base}.{leaf_}")] = weights[f"{base}.{leaf_}"]
-            quant[gguf_tensor_name(base)] = dict(group_size=32, bits=bits)
+            quant[gguf_tensor_name(f"{base}.weight").removesuffix(".weight")] = dict(group_size=32, bits=bits)
         else:
             # in float32: the fp16 scales would otherwise make the dequantized weights fp16 too
             full = mx.dequantize(w, scales.astype(mx.float32), weights[f"{base}.biases"].astype(mx.float32), group_size=32, bits=bits)
