@@ -41,11 +41,6 @@ class Grammar:
         self._fill()   # the next position's mask, needed anyway: is anything but a stop token still allowed?
         self.terminated = not np.any(self.bitmask.numpy() & self._not_stop)
 
-    def allows(self, token:int)->bool:
-        "May `token` come next?"
-        self._fill()
-        return bool(int(self.bitmask.numpy()[0, token // 32]) >> (token % 32) & 1)
-
     def fork(self)->"Grammar":
         "An independent copy at the same position (xgrammar's `fork`): a draft walks ahead on it, the original stays put."
         g = Grammar(None, self.vocab_size, self.stop_token_ids, matcher=self.matcher.fork())
@@ -100,7 +95,7 @@ def from_choices(tokenizer, choices)->Grammar:
 
 # %% ../nbs/06_grammar.ipynb #28900b7b
 def timed_grammar(g:Grammar, total:Grammar|None=None)->Grammar:
-    "Instrument a `Grammar`: `host_s` accumulates the time spent in `mask`, `advance`, `allows` and `fork` — also by its forks (the drafts')."
+    "Instrument a `Grammar`: `host_s` accumulates the time spent in `mask`, `advance` and `fork` — also by its forks (the drafts')."
     import time
     total = total or g
     if total is g: g.host_s = 0.0
@@ -110,7 +105,7 @@ def timed_grammar(g:Grammar, total:Grammar|None=None)->Grammar:
             try: return f(*a)
             finally: total.host_s += time.perf_counter() - t0
         return run
-    g.mask, g.advance, g.allows = timed(g.mask), timed(g.advance), timed(g.allows)
+    g.mask, g.advance = timed(g.mask), timed(g.advance)
     fork = timed(g.fork)
     g.fork = lambda: timed_grammar(fork(), total)
     return g

@@ -31,7 +31,7 @@ from .accept import Sampling
 from .executor import spec_stream, spec_generate
 from .grammar import from_json_schema, json_object
 from .cli import load_drafting, DecodedText
-from .models import blas_in_use
+from .models import blas_in_use, logits_width
 
 # %% ../nbs/08_serve.ipynb #336f7a50
 class StopText:
@@ -65,8 +65,6 @@ class PromptCache:
     def insert(self, space:str, tokens:list, target_cache:list, draft_cache:list):
         "Keep caches that hold exactly `tokens` (the prompt plus the fed tokens)."
         if self.lru is not None: self.lru.insert_cache(space, list(tokens), list(target_cache) + list(draft_cache))
-
-    def __len__(self): return len(self.lru) if self.lru is not None else 0
 
 # %% ../nbs/08_serve.ipynb #cff00b81
 class Metrics:
@@ -164,7 +162,7 @@ class Engine:
         self.model, self.tokenizer, self.provider = pair.target, pair.tokenizer, provider
         self.model_id, self.draft_kind, self.num_draft_tokens, self.temp, self.acceptance = model_id, draft_kind, num_draft_tokens, temp, acceptance
         self.max_tokens, self.max_tokens_limit = max_tokens, max_tokens_limit
-        self.vocab_size = self.model.model.embed_tokens.weight.shape[0] if hasattr(self.model, "model") else None
+        self.vocab_size = logits_width(self.model)   # right for quantized embeddings too
         self.jobs = queue.Queue(maxsize=max_queue)
         self.cache = PromptCache(prompt_cache_size, len(make_prompt_cache(self.model)))
         self.metrics = Metrics()
@@ -310,13 +308,13 @@ def chat_prompt(tokenizer, messages:list)->list:
                                          add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
 
-def completion_prompt(tokenizer, prompt, vocab_size:int|None)->list:
+def completion_prompt(tokenizer, prompt, vocab_size:int)->list:
     "Token ids of a completions `prompt`: one string, or a list of token ids."
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1: raise APIError(400, f"one prompt per request, got {len(prompt)}", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str): return tokenizer.encode(prompt) if prompt else []
-    bad = [t for t in prompt if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad: raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
     return list(prompt)
 
@@ -330,7 +328,7 @@ def make_job(engine:Engine, req:_Sampling, endpoint:str, prompt:list, grammar)->
     if req.logit_bias:
         bias = {}
         for k, v in req.logit_bias.items():
-            if not k.lstrip("-").isdigit() or not 0 <= int(k) < (engine.vocab_size or 1 << 62):
+            if not k.lstrip("-").isdigit() or not 0 <= int(k) < engine.vocab_size:
                 raise APIError(400, f"logit_bias key {k!r} is not a token id of this model (0..{engine.vocab_size - 1})", "logit_bias")
             if not -100 <= v <= 100: raise APIError(400, f"logit_bias value {v} for token {k} is outside [-100, 100]", "logit_bias")
             bias[int(k)] = v

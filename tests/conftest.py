@@ -1,16 +1,13 @@
-import os, sys, pytest
+import os, pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Debian's OpenBLAS: the Linux mlx[cpu] wheel ships a reference BLAS that is ~30x slower for fp32 matmul.
-OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+from specnb.models import OPENBLAS, openblas_relaunch
 
 def pytest_configure(config):
     "Restart pytest once with OpenBLAS preloaded (it must be loaded before MLX): the suite runs several times faster."
-    if OPENBLAS.exists() and "openblas" not in os.environ.get("LD_PRELOAD", "") and not os.environ.get("SPECNB_NO_OPENBLAS"):
-        env = dict(os.environ, LD_PRELOAD=":".join(filter(None, [str(OPENBLAS), os.environ.get("LD_PRELOAD")])))
-        sys.stdout.flush(); sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "pytest", *sys.argv[1:]], env)
+    openblas_relaunch()   # the specnb commands' own restart; SPECNB_NO_OPENBLAS=1 turns it off
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="also run cells and tests flagged slow")
