@@ -10,6 +10,7 @@ __all__ = ['ACCEPTANCE', 'SpecStats', 'SpecResult', 'SpecStream', 'spec_stream',
 
 # %% ../nbs/07_executor.ipynb #7c6a14fe
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import speculative_generate_step
@@ -19,6 +20,7 @@ from .verify import verify_forward
 from .accept import accept_walk, sample_one
 from .rollback import can_take, check_rollbackable, rollback
 from .sources.base import TargetView
+from .tap import Tap
 
 # %% ../nbs/07_executor.ipynb #8f092f84
 @dataclass
@@ -82,11 +84,11 @@ def _check_args(prompt, num_draft_tokens, max_tokens, acceptance, sampler):
     if max_tokens < 1: raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     return prompt
 
-def _plain_steps(model, cache, pending, res, eos, sampler, procs, grammar, max_tokens, history, n_steps):
+def _plain_steps(model, cache, pending, res, eos, sampler, procs, grammar, max_tokens, history, n_steps, watch=nullcontext()):
     "Plain one-token decoding from `pending`, at most `n_steps` tokens; returns the last token if generation may go on."
     out, st = res.tokens, res.stats
     for _ in range(n_steps):
-        logits = model(mx.array([[pending]], mx.uint32), cache=cache)[0]
+        with watch: logits = model(mx.array([[pending]], mx.uint32), cache=cache)[0]
         st.target_calls += 1
         res.fed = len(out)
         t = sample_one(logits, history(), sampler, procs, grammar).item()
@@ -119,16 +121,21 @@ def _run(model, provider, prompt, res, *, num_draft_tokens=3, max_tokens=256, eo
         check_rollbackable(cache)
         source = provider.open(sampler=sampler, logits_processors=procs, target=TargetView(model, cache), prefill_step_size=prefill_step_size,
                                grammar=grammar)
+    # a source that reads the target's hidden states gets the rows of every position the target kept, from the forwards it runs anyway
+    tap = Tap(model, source.tap_layers) if getattr(source, "tap_layers", None) else None
+    watch, hidden = tap or nullcontext(), None
     t0 = t1 = time.perf_counter()
     try:
-        prefill_drain(model, cache, prompt[:-1], prefill_step_size)
+        with watch: prefill_drain(model, cache, prompt[:-1], prefill_step_size)
+        if tap: hidden = tap.take()
         pending, feed = prompt[-1], [prompt[-1]]
         if source is not None: source.prefill(full, ctx=draft_cache)
         st.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         if source is not None and len(full) == 1:
-            pending = yield from _plain_steps(model, cache, pending, res, eos, sampler, procs, grammar, max_tokens, history, 1)
+            pending = yield from _plain_steps(model, cache, pending, res, eos, sampler, procs, grammar, max_tokens, history, 1, watch)
             if pending is None: return
+            if tap: hidden = tap.take()
             feed = [full[0], pending]
         while source is not None:
             E = len(out)
@@ -136,10 +143,10 @@ def _run(model, provider, prompt, res, *, num_draft_tokens=3, max_tokens=256, eo
             if not can_take(cache, n + 1):   # a sliding window is about to wrap: rollback would be impossible
                 st.fallback_at = E
                 break
-            drafts = source.draft(feed, n, E)
+            drafts, hidden = source.draft(feed, n, E, anchor_hidden=hidden), None
             d = drafts.size if isinstance(drafts, mx.array) else len(drafts)
             if d > n: raise RuntimeError(f"the draft source returned {d} tokens, more than the {n} asked for")
-            logits = verify_forward(model, cache, pending, drafts)
+            with watch: logits = verify_forward(model, cache, pending, drafts)
             q = source.draft_logprobs() if rejection and d else None   # None (prompt lookup): exact match this round
             toks, k = accept_walk(logits, drafts, sampler, procs, grammar, history(), eos, draft_logprobs=q)
             if isinstance(drafts, mx.array): drafts = drafts.tolist()   # already computed by the walk's read-back
@@ -162,6 +169,7 @@ def _run(model, provider, prompt, res, *, num_draft_tokens=3, max_tokens=256, eo
                 res.fed = E + kept
             if ends: return
             source.commit(d, k)
+            if tap: hidden = tap.take()[:k + 1]   # the rows of `pending` and the accepted drafts: what the target keeps
             pending = toks[k]
             feed = [drafts[-1], pending] if k == d > 0 else [pending]
         if source is not None: source.close(); source = None   # a fallback: nothing of the draft is worth saving

@@ -23,11 +23,11 @@ from mlx_lm.models import llama
 from tokenizers import Tokenizer, AddedToken, models as tk_models, pre_tokenizers, decoders
 
 # %% ../nbs/00_models.ipynb #81dfab27
-BUNDLED = ("target", "draft")
+BUNDLED = ("target", "draft", "head")
 
-def bundled_dir(name:str="target", # "target" or "draft"
+def bundled_dir(name:str="target", # "target" or "draft" (load with `mlx_lm.load`), or "head" (the draft head, `specnb.load_head`)
                )->Path:
-    "The folder of one model of the bundled pair, loadable with `mlx_lm.load`."
+    "The folder of one of the bundled models."
     if name not in BUNDLED: raise ValueError(f"unknown bundled model {name!r}; choose one of {BUNDLED}")
     return Path(str(importlib.resources.files("specnb")))/"bundled"/name
 
