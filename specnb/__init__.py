@@ -9,6 +9,8 @@ from .sources.two_model import TwoModelProvider
 from .sources.ngram import NgramProvider
 from .sources.adaptive import AdaptiveProvider
 from .sources.early_exit import EarlyExitProvider
+from .sources.head import HeadProvider, load_head
+from .tap import Tap
 
 def __getattr__(name):
     # `specnb.grammar` imports xgrammar, which imports torch: load it on first use, not with `import specnb`

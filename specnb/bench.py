@@ -23,6 +23,8 @@ from .rollback import rollback
 from .sources.base import TargetView
 from .sources.ngram import NgramProvider
 from .sources.early_exit import EarlyExitProvider
+from .sources.head import HeadProvider
+from .tap import Tap
 
 # %% ../nbs/09_bench.ipynb #413c8384
 def interleaved(runs:dict,       # name -> fn(prompt) returning a `SpecResult` (or a token count)
@@ -89,11 +91,13 @@ GROUNDED_TEXTS = [
 ]
 
 # %% ../nbs/09_bench.ipynb #cebbddf5
-def _median_s(f, n:int=15)->float:
-    f()   # warm-up
+def _median_s(f, n:int=15, setup=None)->float:
+    "Median seconds of `f()` over `n` calls after a warm-up; `setup()`, untimed, before each."
     ts = []
-    for _ in range(n):
+    for i in range(n + 1):
+        if setup is not None: setup()
         t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
+    ts = ts[1:]   # the first was the warm-up
     return statistics.median(ts)
 
 def verify_costs(model, prompt:list, ks)->dict:
@@ -111,13 +115,17 @@ def draft_costs(provider, model, prompt:list, ns)->dict:
     cache = make_prompt_cache(model)
     prefill_drain(model, cache, prompt[:-1])
     src = provider.open(target=TargetView(model, cache)); src.prefill(prompt)
+    tap, rows = Tap(model, src.tap_layers) if getattr(src, "tap_layers", None) else None, [None]
+    def kept_row():   # untimed: the target reads one token and keeps it, as after a round that accepted nothing
+        with tap: model(mx.array([prompt[-1:]], mx.uint32), cache=cache)
+        rows[0] = tap.take(); mx.eval(rows[0])
     def call(n):
         def run():
-            d = src.draft([prompt[-1]], n)
+            d = src.draft([prompt[-1]], n, anchor_hidden=rows[0])
             if isinstance(d, mx.array): mx.eval(d)
             src.commit(d.size if isinstance(d, mx.array) else len(d), 0)   # nothing kept: the state stays bounded
         return run
-    try: return {n: _median_s(call(n)) for n in ns}
+    try: return {n: _median_s(call(n), setup=kept_row if tap is not None else None) for n in ns}
     finally: src.close()
 
 def _line(costs:dict):
@@ -134,7 +142,8 @@ def speedup_bound(tokens_per_round:float, drafts_per_round:float, draft_s, verif
 # %% ../nbs/09_bench.ipynb #aef275c4
 SOURCES = {"two-model": lambda pair, exit_layer: TwoModelProvider(pair.draft),
            "ngram": lambda pair, exit_layer: NgramProvider(),
-           "early-exit": lambda pair, exit_layer: EarlyExitProvider(exit_layer)}
+           "early-exit": lambda pair, exit_layer: EarlyExitProvider(exit_layer),
+           "head": lambda pair, exit_layer: HeadProvider()}   # the head shipped for the bundled target
 
 def _machine()->dict:
     "What ran the benchmark: the machine, the BLAS, the versions, the commit."
@@ -146,7 +155,7 @@ def _machine()->dict:
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
 
 def run_bench(pair,                                   # a `ModelPair` (`specnb.models.load_pair`); its draft may be None
-              sources=("two-model", "ngram", "early-exit"),
+              sources=("two-model", "ngram", "early-exit", "head"),
               gammas=(1, 2, 3, 4, 5),
               texts=BENCH_TEXTS,                      # prompts, as text
               max_tokens:int=128, repeats:int=3, mlx_lm:bool=True, exit_layer:int=2, progress:bool=False)->dict:
@@ -156,17 +165,19 @@ def run_bench(pair,                                   # a `ModelPair` (`specnb.m
     if "two-model" in sources and pair.draft is None: raise ValueError("the two-model source needs a draft model")
     if not gammas or min(gammas) < 1: raise ValueError(f"gammas must be integers >= 1, got {list(gammas)}")
     T, D, tok = pair.target, pair.draft, pair.tokenizer
-    if "early-exit" in sources: EarlyExitProvider(exit_layer).check(T)
+    providers = {s: SOURCES[s](pair, exit_layer) for s in sources}
+    for p in providers.values():
+        if hasattr(p, "check"): p.check(T)   # a source that cannot serve this target fails before any run
     prompts = [tok.encode(t) for t in texts]
     runs = {"plain": lambda p: generate(T, p, max_tokens=max_tokens)}
     for g in gammas:
         for s in sources:
-            runs[f"{s} γ={g}"] = lambda p, s=s, g=g: spec_generate(T, SOURCES[s](pair, exit_layer), p, num_draft_tokens=g, max_tokens=max_tokens)
+            runs[f"{s} γ={g}"] = lambda p, s=s, g=g: spec_generate(T, providers[s], p, num_draft_tokens=g, max_tokens=max_tokens)
         if mlx_lm and D is not None: runs[f"mlx-lm γ={g}"] = lambda p, g=g: len(mlx_lm_spec_tokens(T, D, p, g, max_tokens))
     res = interleaved(runs, prompts, repeats, progress=progress)
     G = max(gammas)
     verify = verify_costs(T, prompts[0], range(1, G + 2))
-    drafts = {s: draft_costs(SOURCES[s](pair, exit_layer), T, prompts[0], range(1, G + 1)) for s in sources}
+    drafts = {s: draft_costs(providers[s], T, prompts[0], range(1, G + 1)) for s in sources}
     vfit, dfit = _line(verify), {s: _line(c) for s, c in drafts.items()}
     plain = res["plain"]["tps"]
     rows = []

@@ -15,36 +15,40 @@ from .models import load_pair, blas_in_use, openblas_relaunch
 from .sources.two_model import TwoModelProvider, check_p_min
 from .sources.ngram import NgramProvider
 from .sources.early_exit import EarlyExitProvider
+from .sources.head import HeadProvider
 from .sources.adaptive import AdaptiveProvider
 from .executor import spec_stream
 
 # %% ../nbs/07a_cli.ipynb #16de2587
-DRAFT_KINDS = ("two-model", "ngram", "early-exit", "none")
+DRAFT_KINDS = ("two-model", "ngram", "early-exit", "head", "none")
 
-def draft_kind(model, draft_model, kind=None)->str:
+def draft_kind(model, draft_model, kind=None, draft_head=None)->str:
     "The draft kind to use, detected when not given; an impossible combination is a `ValueError`."
-    if kind is None: return "two-model" if draft_model or not model else "ngram"
+    if draft_head and kind not in (None, "head"): raise ValueError(f"--draft-head is for --draft-kind head, not {kind}")
+    if draft_head and draft_model: raise ValueError("give a --draft-model or a --draft-head, not both")
+    if kind is None: return "head" if draft_head else "two-model" if draft_model or not model else "ngram"
     if kind not in DRAFT_KINDS: raise ValueError(f"unknown draft kind {kind!r}; choose one of {DRAFT_KINDS}")
     if draft_model and kind != "two-model": raise ValueError(f"--draft-kind {kind} takes no --draft-model (got {draft_model})")
     if kind == "two-model" and model and not draft_model: raise ValueError("--draft-kind two-model needs a --draft-model for a target other than the bundled one")
     return kind
 
 def make_provider(kind, args):
-    "The provider for a draft kind that needs no model (ngram, early-exit); None for two-model (made once loaded) and none."
+    "The provider for a draft kind that needs no draft model (ngram, early-exit, head); None for two-model (made once loaded) and none."
     if args.draft_p_min is not None and kind != "two-model": raise ValueError(f"--draft-p-min applies to two-model drafting, not {kind}")
     if kind == "ngram": return NgramProvider(args.ngram_max, args.ngram_min)
     if kind == "early-exit": return EarlyExitProvider(args.exit_layer)
+    if kind == "head": return HeadProvider(args.draft_head)
     check_p_min(args.draft_p_min)
     return None
 
 def load_drafting(args):
     "Check the model and draft arguments, load the pair and make the provider: `(pair, provider, kind)`; errors are `ValueError`s."
     if args.num_draft_tokens < 1: raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
-    kind = draft_kind(args.model, args.draft_model, args.draft_kind)
+    kind = draft_kind(args.model, args.draft_model, args.draft_kind, args.draft_head)
     provider = make_provider(kind, args)   # argument errors surface before any model is loaded
     pair = load_pair(args.model, args.draft_model if kind == "two-model" else None) if args.model else load_pair()
     if kind == "two-model": provider = TwoModelProvider(pair.draft, p_min=args.draft_p_min)
-    if kind == "early-exit": provider.check(pair.target)
+    if kind in ("early-exit", "head"): provider.check(pair.target)   # a model they cannot serve fails here, not per request
     if args.adaptive and provider is not None: provider = AdaptiveProvider(provider, start=min(3, args.num_draft_tokens))
     return pair, provider, kind
 
@@ -57,6 +61,7 @@ def _model_args(p):
     p.add_argument("--ngram-max", type=int, default=3, help="longest n-gram prompt lookup matches (default 3)")
     p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram prompt lookup matches (default 1)")
     p.add_argument("--exit-layer", type=int, default=2, help="early-exit drafts with this many of the target's layers (default 2)")
+    p.add_argument("--draft-head", help="head: a folder holding a draft head trained for the target (default: the bundled target's head)")
     p.add_argument("--adaptive", action="store_true", help="adapt the draft length per round (up to --num-draft-tokens)")
     p.add_argument("--draft-p-min", type=float, default=None, help="two-model: stop drafting when the draft's top probability is below this")
     p.add_argument("--acceptance", choices=("match", "rejection"), default="match",
@@ -89,7 +94,7 @@ def _parser():
     b = sub.add_parser("bench", help="benchmark plain decoding, each draft source and mlx-lm on one pair (see specnb.bench)")
     b.add_argument("--model", help="target: a local mlx-lm folder or a hub id (default: the bundled target)")
     b.add_argument("--draft-model", help="draft for the two-model source and mlx-lm (default: the bundled draft with the bundled target)")
-    b.add_argument("--sources", default="two-model,ngram,early-exit", help="draft sources, comma-separated (default: two-model,ngram,early-exit)")
+    b.add_argument("--sources", default="two-model,ngram,early-exit,head", help="draft sources, comma-separated (default: two-model,ngram,early-exit,head)")
     b.add_argument("--gammas", default="1,2,3,4,5", help="draft lengths γ to sweep, comma-separated (default: 1,2,3,4,5)")
     b.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     b.add_argument("--repeats", type=int, default=3, help="repeats after the warm-up (default 3)")

@@ -253,6 +253,7 @@ def foreign_draft(tmp_path_factory, pair):
 @pytest.mark.parametrize("args,says", [
     (["--draft-kind", "early-exit", "--exit-layer", "9"], "not below the target's 6 layers"),
     (["--draft-kind", "ngram", "--draft-model", "x/y"], "takes no --draft-model"),
+    (["--draft-head", "/nonexistent/head"], "no draft head at /nonexistent/head"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
     (["--max-queue", "0"], "--max-queue must be >= 1"),
     (["--port", "70000"], "--port must be <= 65535"),
@@ -265,7 +266,7 @@ def test_bad_start_up_fails_with_one_line(args, says, foreign_draft, fast_env):
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert r.stderr.startswith("specnb: error:") and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
-@pytest.mark.parametrize("kind", ["ngram", "early-exit"])
+@pytest.mark.parametrize("kind", ["ngram", "early-exit", "head"])
 def test_other_draft_kinds_serve_the_same_text(kind, client):
     "Every draft kind is lossless through the server, and the prompt cache works without a draft cache."
     ref = client.completions.create(model=MODEL, prompt="def read_config(path):\n    ", max_tokens=40).choices[0].text
