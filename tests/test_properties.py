@@ -76,13 +76,14 @@ def test_sampled_rounds_keep_the_invariant(seed, window, prompt, gamma, max_toke
     target, draft = models(seed, window, 0.1)
     make = {"two-model": lambda: TwoModelProvider(draft), "ngram": lambda: NgramProvider(), "early-exit": lambda: EarlyExitProvider(1),
             "head": lambda: head_for(target, seed)}[source]
+    provider = make()   # before seeding: making a random head draws from the generator too
     def run():
         mx.random.seed(draw)
         cache, seen = make_prompt_cache(target), []
         def on_token(t):
             seen.append(t)
             return halt is None or len(seen) < halt
-        r = spec_generate(target, make(), prompt, num_draft_tokens=gamma, max_tokens=max_tokens, eos_token_ids=[] if eos is None else [eos],
+        r = spec_generate(target, provider, prompt, num_draft_tokens=gamma, max_tokens=max_tokens, eos_token_ids=[] if eos is None else [eos],
                           sampler=Sampling(temp=temp, top_p=top_p, top_k=top_k), acceptance=rule, prompt_cache=cache, on_token=on_token)
         return r, cache, seen
     res, cache, seen = run()
