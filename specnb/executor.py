@@ -167,16 +167,20 @@ def _run(model, provider, prompt, res, *, num_draft_tokens=3, max_tokens=256, eo
                 kept = min(j, k)   # emitted accepted drafts stay in the cache; nothing else does
                 rollback(cache, d - kept)
                 res.fed = E + kept
+                if tap: hidden = tap.take()[:kept + 1]   # the rows of `pending` and the kept drafts: what the target keeps
             if ends: return
             source.commit(d, k)
-            if tap: hidden = tap.take()[:k + 1]   # the rows of `pending` and the accepted drafts: what the target keeps
             pending = toks[k]
             feed = [drafts[-1], pending] if k == d > 0 else [pending]
         if source is not None: source.close(); source = None   # a fallback: nothing of the draft is worth saving
         yield from _plain_steps(model, cache, pending, res, eos, sampler, procs, grammar, max_tokens, history, max_tokens)
     finally:
         if source is not None:
-            if prompt_cache is not None: res.draft_cache = source.save(full + out[:res.fed])
+            if prompt_cache is not None:
+                held = full + out[:res.fed]
+                # a tapped source also gets the rows the target kept that it has not read (the last round's, or a first plain step's)
+                unread = [r for r in (hidden, tap.take()) if r is not None] if tap else None
+                res.draft_cache = source.save(held, anchor_hidden=mx.concatenate(unread) if unread else None) if tap else source.save(held)
             source.close()
         st.generated = len(out)
         st.decode_s = time.perf_counter() - t1

@@ -58,7 +58,8 @@ def test_spec_equals_plain(seed, window, noise, prompt, gamma, max_tokens, halt,
     assert s.accepted <= s.drafted and sum(s.accepted_lengths) == s.accepted and sum(s.drafted_by_pos) == s.drafted
     # the source's saved caches hold the same tokens; a follow-up turn on both caches equals a fresh run
     held = prompt + res.tokens[:res.fed]
-    if res.draft_cache is not None: assert all(c.offset == len(held) for c in res.draft_cache)
+    # (a head's saved cache keeps the newest position as a row, waiting for the token after it)
+    if res.draft_cache is not None: assert all(c.offset + (getattr(c, "row", None) is not None) == len(held) for c in res.draft_cache)
     new = res.tokens[res.fed:] + follow
     again = spec_generate(target, make(), new, num_draft_tokens=gamma, max_tokens=8, eos_token_ids=eos_ids, prompt_cache=cache,
                           cached_tokens=held, draft_cache=res.draft_cache)
@@ -126,5 +127,7 @@ def test_trained_head_equals_plain(start, plen, gamma, max_tokens, halt, follow)
     assert s.accepted <= s.drafted and sum(s.accepted_lengths) == s.accepted and sum(s.accepted_by_pos) == s.accepted
     held = prompt + res.tokens[:res.fed]
     new = res.tokens[res.fed:] + b["ids"][start + plen:start + plen + follow]
-    again = spec_generate(target, b["head"], new, num_draft_tokens=gamma, max_tokens=8, eos_token_ids=eos, prompt_cache=cache, cached_tokens=held)
+    assert [c.offset + (c.row is not None) for c in res.draft_cache] == [len(held)]
+    again = spec_generate(target, b["head"], new, num_draft_tokens=gamma, max_tokens=8, eos_token_ids=eos, prompt_cache=cache, cached_tokens=held,
+                          draft_cache=res.draft_cache)
     assert again.tokens == generate(target, held + new, max_tokens=8, eos_token_ids=eos).tokens

@@ -28,7 +28,7 @@ class AdaptiveSource:
         if self.asked == 0: return
         all_kept = k == d == self.asked
         self.gamma = min(self.gamma + self.up, self.ceiling) if all_kept else max(self.lo, self.gamma - self.down)
-    def save(self, held): return self.inner.save(held)
+    def save(self, held, **kw): return self.inner.save(held, **kw)   # a tapped source also takes its unread rows
     def draft_logprobs(self): return self.inner.draft_logprobs()
     def close(self): self.inner.close()
 
