@@ -49,13 +49,13 @@ def test_choices_and_regex(pair):
     assert re.fullmatch(pat, tok.decode(r.tokens)), tok.decode(r.tokens)
 
 def test_every_source_with_a_grammar(pair):
-    from specnb import EarlyExitProvider, AdaptiveProvider
+    from specnb import EarlyExitProvider, AdaptiveProvider, HeadProvider
     tok = pair.tokenizer
     for schema in SCHEMAS[:6]:
         prompt = tok.encode("config = ")
         kw = dict(max_tokens=300, eos_token_ids=tok.eos_token_ids)
         plain = generate(pair.target, prompt, grammar=from_json_schema(tok, schema), **kw)
-        for provider in (EarlyExitProvider(3), AdaptiveProvider(TwoModelProvider(pair.draft)), TwoModelProvider(pair.draft, p_min=0.3)):
+        for provider in (EarlyExitProvider(3), AdaptiveProvider(TwoModelProvider(pair.draft)), TwoModelProvider(pair.draft, p_min=0.3), HeadProvider()):
             r = spec_generate(pair.target, provider, prompt, num_draft_tokens=4, grammar=from_json_schema(tok, schema), **kw)
             assert r.tokens == plain.tokens and r.finish_reason == "stop", (schema, type(provider).__name__)
             jsonschema.validate(json.loads(tok.decode(r.tokens)), schema)
