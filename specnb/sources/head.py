@@ -7,7 +7,7 @@ Docs: https://specnb.github.io/specnb/head.html.md"""
 # %% auto #0
 __all__ = ['HeadConfig', 'DraftHead', 'save_head', 'load_head', 'random_head', 'HeadCache', 'HeadSource', 'HeadProvider']
 
-# %% ../../nbs/05e_head.ipynb #578edd9d
+# %% ../../nbs/05e_head.ipynb #4a8febcf
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,10 +18,10 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from ..models import bundled_dir
 from ..accept import sample_positions
-from ..tap import Tap, check_tappable
+from ..tap import check_tappable
 from .base import TargetView, draft_distribution, fork_grammar
 
-# %% ../../nbs/05e_head.ipynb #030878f7
+# %% ../../nbs/05e_head.ipynb #82af87f1
 @dataclass
 class HeadConfig:
     "The shape of a draft head, and of the target it was trained for (a head fits one target)."
@@ -63,7 +63,7 @@ class DraftHead(nn.Module):
         "The next features `(B, T, h)` from features `(B, T, h)` and the embeddings of the tokens after them `(B, T, target_hidden)`."
         return self.block(self.inp(mx.concatenate([self.feature_norm(feature), embedding], axis=-1)), mask, cache)
 
-# %% ../../nbs/05e_head.ipynb #549b84ab
+# %% ../../nbs/05e_head.ipynb #da9b14ce
 def save_head(head:DraftHead, path, dtype=mx.float16):
     "Write `config.json` and `model.safetensors` (weights cast to `dtype`) into the folder `path`."
     path = Path(path); path.mkdir(parents=True, exist_ok=True)
@@ -90,7 +90,7 @@ def random_head(model, tap_layers:list, seed:int=0, **kw)->DraftHead:
     mx.eval(head.parameters())
     return head
 
-# %% ../../nbs/05e_head.ipynb #f05eba6e
+# %% ../../nbs/05e_head.ipynb #bb043431
 class HeadCache(KVCache):
     "The head's KV cache; `row` holds the target row of the newest position while its entry waits for the token after it."
     def __init__(self): super().__init__(); self.row = None
