@@ -12,8 +12,6 @@ __all__ = ['STEPS_UNROLLED', 'SEQ', 'BATCH', 'TAPS', 'UnrollCache', 'unroll_mask
 import time
 import numpy as np
 import mlx.core as mx, mlx.nn as nn, mlx.optimizers as optim
-import mlx_lm
-from .models import bundled_dir
 from .tap import Tap
 from .sources.head import DraftHead, HeadConfig
 
