@@ -115,7 +115,8 @@ def draft_costs(provider, model, prompt:list, ns)->dict:
     cache = make_prompt_cache(model)
     prefill_drain(model, cache, prompt[:-1])
     src = provider.open(target=TargetView(model, cache)); src.prefill(prompt)
-    tap, rows = Tap(model, src.tap_layers) if getattr(src, "tap_layers", None) else None, [None]
+    tap = Tap(model, src.tap_layers) if getattr(src, "tap_layers", None) else None
+    rows = [None]   # the row `kept_row` hands the next draft
     def kept_row():   # untimed: the target reads one token and keeps it, as after a round that accepted nothing
         with tap: model(mx.array([prompt[-1:]], mx.uint32), cache=cache)
         rows[0] = tap.take(); mx.eval(rows[0])

@@ -178,9 +178,9 @@ def _run(model, provider, prompt, res, *, num_draft_tokens=3, max_tokens=256, eo
         if source is not None:
             if prompt_cache is not None:
                 held = full + out[:res.fed]
-                # a tapped source also gets the rows the target kept that it has not read (the last round's, or a first plain step's)
-                unread = [r for r in (hidden, tap.take()) if r is not None] if tap else None
-                res.draft_cache = source.save(held, anchor_hidden=mx.concatenate(unread) if unread else None) if tap else source.save(held)
+                if tap is None: res.draft_cache = source.save(held)
+                else:   # a tapped source also gets the kept rows it has not read: the last round's, or a first plain step's
+                    res.draft_cache = source.save(held, anchor_hidden=hidden if hidden is not None else tap.take())
             source.close()
         st.generated = len(out)
         st.decode_s = time.perf_counter() - t1

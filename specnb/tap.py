@@ -50,9 +50,9 @@ class Tap:
 
     def __exit__(self, *exc): self.blocks[:] = self.real   # the real layers back, whatever happened
 
-    def take(self)->mx.array|None:
-        "Everything recorded since the last `take` (lazy), shape `(tokens, len(layers) * hidden)`; None if nothing was."
+    def take(self, batch:bool=False)->mx.array|None:
+        "Everything recorded since the last `take` (lazy), shape `(tokens, len(layers) * hidden)` — `(batch, tokens, …)` with `batch=True`; None if nothing was."
         if not self.kept[self.layers[0]]: return None
-        rows = mx.concatenate([mx.concatenate(self.kept[i], axis=1) for i in self.layers], axis=-1)[0]
+        rows = mx.concatenate([mx.concatenate(self.kept[i], axis=1) for i in self.layers], axis=-1)
         for v in self.kept.values(): v.clear()
-        return rows
+        return rows if batch else rows[0]

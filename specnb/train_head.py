@@ -13,6 +13,7 @@ import time
 import numpy as np
 import mlx.core as mx, mlx.nn as nn, mlx.optimizers as optim
 from .tap import Tap
+from .sources.base import output_head
 from .sources.head import DraftHead, HeadConfig
 
 # %% ../nbs/05f_train_head.ipynb #893ce37b
@@ -31,15 +32,13 @@ def unroll_mask(T:int, j:int)->mx.array:
 # %% ../nbs/05f_train_head.ipynb #9d9ba6c0
 def readout(target, a):
     "The target's norm and lm-head on the head's output, as log-probabilities."
-    logits = target.model.embed_tokens.as_linear(target.model.norm(a)) if target.args.tie_word_embeddings else target.lm_head(target.model.norm(a))
+    logits = output_head(target)(target.model.norm(a))
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 def target_batch(target, tap, x):
     "The tapped features `(B, N, F)` and the target's log-probabilities `(B, N, V)` over token windows `x` `(B, N)`."
     with tap: logits = target(x)
-    feats = mx.concatenate([mx.concatenate(tap.kept[i], axis=1) for i in tap.layers], axis=-1)
-    for v in tap.kept.values(): v.clear()
-    return feats, logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return tap.take(batch=True), logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 def unrolled(head, target, x, feats, steps):
     "The head's log-probabilities at each of `steps` unrolled draft steps, over windows `x` `(B, T + steps)`."

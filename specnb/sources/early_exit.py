@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from ..accept import sample_positions
-from .base import TargetView, draft_distribution, fork_grammar
+from .base import TargetView, draft_distribution, fork_grammar, output_head
 
 # %% ../../nbs/05d_early_exit.ipynb #2d10cdc2
 class EarlyExitSource:
@@ -22,7 +22,7 @@ class EarlyExitSource:
     def __init__(self, target:TargetView, exit_layer:int, sampler=None, grammar=None):
         inner = target.model.model
         self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers[:exit_layer], inner.norm
-        self.head = getattr(target.model, "lm_head", None) or inner.embed_tokens.as_linear
+        self.head = output_head(target.model)
         self.cache, self.sampler, self.logits, self.grammar = target.cache[:exit_layer], sampler, [], grammar
 
     def prefill(self, prompt_ids, ctx=None): pass   # the target's prefill already wrote the KV these layers need

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache
 from ..models import bundled_dir
 from ..accept import sample_positions
 from ..tap import check_tappable
-from .base import TargetView, draft_distribution, fork_grammar
+from .base import TargetView, draft_distribution, fork_grammar, output_head
 
 # %% ../../nbs/05e_head.ipynb #82af87f1
 @dataclass
@@ -108,7 +108,7 @@ class HeadSource:
         self.head, self.target, self.sampler, self.grammar = head, target, sampler, grammar
         self.tap_layers = head.cfg.tap_layers
         self.embed, self.norm = inner.embed_tokens, inner.norm
-        self.lm_head = getattr(target.model, "lm_head", None) or inner.embed_tokens.as_linear
+        self.lm_head = output_head(target.model)
         self.cache, self.tokens, self.last, self.out, self.logits, self.skipped = HeadCache(), [], None, [], [], None
 
     def prefill(self, prompt_ids, ctx=None):
@@ -181,12 +181,9 @@ class HeadProvider:
     def __init__(self, head:DraftHead|str|Path|None=None): # a head, a folder holding one, or None: the one trained for the bundled target
         self.head = head if isinstance(head, DraftHead) else load_head(head)
 
-    @property
-    def tap_layers(self)->list: return self.head.cfg.tap_layers
-
     def check(self, model):
         "Raise `ValueError` unless the head was trained for a target shaped like `model` (call at start-up)."
-        check_tappable(model, self.tap_layers)
+        check_tappable(model, self.head.cfg.tap_layers)
         c, a = self.head.cfg, getattr(model, "args", None)
         want = (c.target_layers, c.target_hidden, c.vocab_size)
         have = tuple(getattr(a, f, None) for f in ("num_hidden_layers", "hidden_size", "vocab_size"))
