@@ -141,10 +141,10 @@ def speedup_bound(tokens_per_round:float, drafts_per_round:float, draft_s, verif
     return tokens_per_round * verify_s(1) / (draft_s(drafts_per_round) + verify_s(drafts_per_round + 1))
 
 # %% ../nbs/09_bench.ipynb #aef275c4
-SOURCES = {"two-model": lambda pair, exit_layer: TwoModelProvider(pair.draft),
-           "ngram": lambda pair, exit_layer: NgramProvider(),
-           "early-exit": lambda pair, exit_layer: EarlyExitProvider(exit_layer),
-           "head": lambda pair, exit_layer: HeadProvider()}   # the head shipped for the bundled target
+SOURCES = {"two-model": lambda pair, exit_layer, draft_head: TwoModelProvider(pair.draft),
+           "ngram": lambda pair, exit_layer, draft_head: NgramProvider(),
+           "early-exit": lambda pair, exit_layer, draft_head: EarlyExitProvider(exit_layer),
+           "head": lambda pair, exit_layer, draft_head: HeadProvider(draft_head)}   # None: the head shipped for the bundled target
 
 def _machine()->dict:
     "What ran the benchmark: the machine, the BLAS, the versions, the commit."
@@ -159,14 +159,16 @@ def run_bench(pair,                                   # a `ModelPair` (`specnb.m
               sources=("two-model", "ngram", "early-exit", "head"),
               gammas=(1, 2, 3, 4, 5),
               texts=BENCH_TEXTS,                      # prompts, as text
-              max_tokens:int=128, repeats:int=3, mlx_lm:bool=True, exit_layer:int=2, progress:bool=False)->dict:
+              max_tokens:int=128, repeats:int=3, mlx_lm:bool=True, exit_layer:int=2,
+              draft_head=None,                        # the head source's folder (default: the bundled target's head)
+              progress:bool=False)->dict:
     "Plain decoding, every source at every γ and mlx-lm at every γ, interleaved; with the cost fits and each row's bound."
     unknown = [s for s in sources if s not in SOURCES]
     if unknown: raise ValueError(f"unknown source {unknown[0]!r}; choose from {list(SOURCES)}")
     if "two-model" in sources and pair.draft is None: raise ValueError("the two-model source needs a draft model")
     if not gammas or min(gammas) < 1: raise ValueError(f"gammas must be integers >= 1, got {list(gammas)}")
     T, D, tok = pair.target, pair.draft, pair.tokenizer
-    providers = {s: SOURCES[s](pair, exit_layer) for s in sources}
+    providers = {s: SOURCES[s](pair, exit_layer, draft_head) for s in sources}
     for p in providers.values():
         if hasattr(p, "check"): p.check(T)   # a source that cannot serve this target fails before any run
     prompts = [tok.encode(t) for t in texts]
@@ -195,7 +197,7 @@ def run_bench(pair,                                   # a `ModelPair` (`specnb.m
             row["efficiency"] = row["x_plain"] / row["bound"]
         rows.append(row)
     return dict(machine=_machine(), config=dict(sources=list(sources), gammas=list(gammas), max_tokens=max_tokens, repeats=repeats,
-                                              prompts=len(prompts), exit_layer=exit_layer),
+                                              prompts=len(prompts), exit_layer=exit_layer, draft_head=str(draft_head) if draft_head else None),
                 costs=dict(verify_s=verify, draft_s=drafts), rows=rows)
 
 # %% ../nbs/09_bench.ipynb #264502de
@@ -253,7 +255,7 @@ def cmd_bench(args):
     pair = load_pair(args.model, args.draft_model) if args.model else load_pair()
     if pair.draft is None: sources = [s for s in sources if s != "two-model"]
     result = run_bench(pair, sources, gammas, texts, args.max_tokens, args.repeats, mlx_lm=not args.no_mlx_lm,
-                       exit_layer=args.exit_layer, progress=True)
+                       exit_layer=args.exit_layer, draft_head=args.draft_head, progress=True)
     print_bench(result)
     out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=1))

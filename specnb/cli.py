@@ -100,6 +100,7 @@ def _parser():
     b.add_argument("--repeats", type=int, default=3, help="repeats after the warm-up (default 3)")
     b.add_argument("--prompts", default="free", help="'free' (code prompts), 'grounded' (text the model copies) or a file of prompts separated by lines of '---'")
     b.add_argument("--exit-layer", type=int, default=2, help="layers the early-exit source drafts with (default 2)")
+    b.add_argument("--draft-head", help="the head source's folder: a draft head trained for the target (default: the bundled target's head)")
     b.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's speculative_generate_step")
     b.add_argument("--out", default="specnb-bench", help="folder for bench.json and the plots (default ./specnb-bench)")
     return p

@@ -8,7 +8,8 @@ Docs: https://specnb.github.io/specnb/models.html.md"""
 __all__ = ['BUNDLED', 'PROBE', 'GGUF_NAMES', 'GGUF_BLOCK', 'GGUF_DTYPES', 'GGUF_PRE', 'SMOLLM2_FILE', 'OPENBLAS', 'bundled_dir',
            'check_tokenizers', 'logits_width', 'check_vocab', 'load_model', 'ModelPair', 'load_pair', 'random_model',
            'perturbed', 'gguf_tensor_name', 'gguf_config', 'gguf_weights', 'gguf_tokenizer', 'gguf_cache_dir',
-           'gguf_to_mlx', 'load_gguf', 'smollm2_gguf', 'smollm2', 'blas_in_use', 'openblas_relaunch']
+           'gguf_to_mlx', 'load_gguf', 'smollm2_gguf', 'smollm2', 'blas_in_use', 'openblas_coretype', 'openblas_env',
+           'openblas_relaunch']
 
 # %% ../nbs/00_models.ipynb #d3c8e647
 import copy, hashlib, importlib.resources, importlib.util, json, os, shutil, sys
@@ -269,15 +270,33 @@ def smollm2(dtype:str="float32", # float32 | float16 | bfloat16 | quantized
 OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")   # Debian's libopenblas0-pthread
 
 def blas_in_use()->str:
-    "Which BLAS MLX uses here: 'openblas' when a system OpenBLAS is preloaded, else 'reference' (or 'unknown' without /proc)."
+    "Which BLAS MLX uses here: 'openblas' when a system OpenBLAS is preloaded (with its kernel family, when set), else 'reference' (or 'unknown' without /proc)."
     try: maps = Path("/proc/self/maps").read_text()
     except OSError: return "unknown (no /proc)"
     # numpy's own bundled copy (libscipy_openblas64_) is not the one MLX would use
-    return "openblas" if "libopenblas" in maps or "openblas-pthread" in maps else "reference"
+    if "libopenblas" not in maps and "openblas-pthread" not in maps: return "reference"
+    core = os.environ.get("OPENBLAS_CORETYPE")
+    return f"openblas ({core} kernels)" if core else "openblas"
+
+def openblas_coretype(cpuinfo:str|None=None)->str|None:
+    "The newest OpenBLAS kernel family the CPU's flags (from `/proc/cpuinfo`) allow, or None (no x86 vector extensions it knows)."
+    if cpuinfo is None:
+        try: cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError: return None
+    flags = set(next((l.split(":", 1)[1].split() for l in cpuinfo.splitlines() if l.startswith("flags")), []))
+    if {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= flags: return "Cooperlake" if "avx512_bf16" in flags else "SkylakeX"
+    if {"avx2", "fma"} <= flags: return "Haswell"
+    return None
+
+def openblas_env(env:dict|None=None)->dict:
+    "`env` (default: this process's environment) with OpenBLAS preloaded and, unless set already, `OPENBLAS_CORETYPE` for this CPU."
+    env = dict(os.environ if env is None else env)
+    if "openblas" not in env.get("LD_PRELOAD", ""): env["LD_PRELOAD"] = ":".join(filter(None, [str(OPENBLAS), env.get("LD_PRELOAD")]))
+    if not env.get("OPENBLAS_CORETYPE") and (core := openblas_coretype()): env["OPENBLAS_CORETYPE"] = core
+    return env
 
 def openblas_relaunch(argv:list|None=None):
-    "Restart this process (its own command line) with OpenBLAS preloaded, if installed, not loaded yet, and `SPECNB_NO_OPENBLAS` is unset."
-    if not OPENBLAS.exists() or os.environ.get("SPECNB_NO_OPENBLAS") or "openblas" in os.environ.get("LD_PRELOAD", ""): return
-    env = dict(os.environ, LD_PRELOAD=":".join(filter(None, [str(OPENBLAS), os.environ.get("LD_PRELOAD")])))
+    "Restart this process (its own command line) with `openblas_env`, if OpenBLAS is installed, `SPECNB_NO_OPENBLAS` unset and the environment lacks it."
+    if not OPENBLAS.exists() or os.environ.get("SPECNB_NO_OPENBLAS") or (env := openblas_env()) == os.environ: return
     sys.stdout.flush(); sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *(argv or sys.orig_argv[1:])], env)

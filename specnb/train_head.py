@@ -6,14 +6,13 @@ Docs: https://specnb.github.io/specnb/train_head.html.md"""
 
 # %% auto #0
 __all__ = ['STEPS_UNROLLED', 'SEQ', 'BATCH', 'TAPS', 'UnrollCache', 'unroll_mask', 'readout', 'target_batch', 'unrolled',
-           'windows', 'lr_at', 'losses', 'train_head']
+           'windows', 'lr_at', 'losses', 'extract', 'pick_draft_vocab', 'batch_of', 'train_head']
 
 # %% ../nbs/05f_train_head.ipynb #83e9f6bb
 import time
 import numpy as np
 import mlx.core as mx, mlx.nn as nn, mlx.optimizers as optim
 from .tap import Tap
-from .sources.base import output_head
 from .sources.head import DraftHead, HeadConfig
 
 # %% ../nbs/05f_train_head.ipynb #893ce37b
@@ -30,9 +29,9 @@ def unroll_mask(T:int, j:int)->mx.array:
     return mx.concatenate([i[:, None] >= i[None]] + [i[:, None] == i[None]] * (j - 1), axis=1)
 
 # %% ../nbs/05f_train_head.ipynb #9d9ba6c0
-def readout(target, a):
-    "The target's norm and lm-head on the head's output, as log-probabilities."
-    logits = output_head(target)(target.model.norm(a))
+def readout(head, target, a, rows=None):
+    "Log-probabilities of head outputs `a` through the target's norm and lm-head (over the draft vocabulary, given its `rows`)."
+    logits = head.logits(target, a, rows)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 def target_batch(target, tap, x):
@@ -40,13 +39,13 @@ def target_batch(target, tap, x):
     with tap: logits = target(x)
     return tap.take(batch=True), logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
-def unrolled(head, target, x, feats, steps):
+def unrolled(head, target, x, feats, steps, rows=None):
     "The head's log-probabilities at each of `steps` unrolled draft steps, over windows `x` `(B, T + steps)`."
     T, cache, f, out = x.shape[1] - steps, UnrollCache(), head.fuse(feats[:, :x.shape[1] - steps]), []
     for j in range(1, steps + 1):
         cache.offset = j - 1
         f = head(f, target.model.embed_tokens(x[:, j:j + T]), mask=unroll_mask(T, j), cache=cache)
-        out.append(readout(target, head.out(f)))
+        out.append(readout(head, target, f, rows))
     return out
 
 # %% ../nbs/05f_train_head.ipynb #f7d02b53
@@ -61,39 +60,82 @@ def lr_at(step, steps, peak, warmup=50, floor=0.1):
     if step < warmup: return peak * (step + 1) / warmup
     return peak * (floor + (1 - floor) * 0.5 * (1 + np.cos(np.pi * (step - warmup) / max(1, steps - warmup))))
 
-def losses(head, target, x, feats, t_logp, steps=STEPS_UNROLLED):
-    "Mean soft cross-entropy to the target per unrolled step, and the top-1 agreement per step."
-    T = x.shape[1] - steps
+def losses(head, target, x, feats, labels, steps=STEPS_UNROLLED, rows=None):
+    """Cross-entropy to the target per unrolled step, and the top-1 agreement per step. `labels`: the target's log-probabilities
+    `(B, N, V)` (soft) or its greedy tokens `(B, N)` (hard); `rows`: the draft vocabulary's (`DraftHead.vocab_rows`)."""
+    T, d2t = x.shape[1] - steps, head.d2t if rows is not None else None
+    if d2t is not None and labels.ndim == 2:   # target id → draft index, -1 for tokens the head cannot propose
+        t2d = mx.full((head.cfg.vocab_size,), -1, mx.int32)
+        t2d[d2t] = mx.arange(d2t.size, dtype=mx.int32)
     ce, agree = [], []
-    for j, logp in enumerate(unrolled(head, target, x, feats, steps), 1):
-        t = t_logp[:, j:j + T]
-        ce.append(-(mx.exp(t) * logp).sum(-1).mean())
-        agree.append((logp.argmax(-1) == t.argmax(-1)).mean())
+    for j, logp in enumerate(unrolled(head, target, x, feats, steps, rows), 1):
+        t = labels[:, j:j + T]
+        guess = logp.argmax(-1) if d2t is None else d2t[logp.argmax(-1)]
+        if t.ndim == 3:   # soft: its whole distribution (within the draft vocabulary, renormalised)
+            best = t.argmax(-1)
+            if d2t is not None: t = t[..., d2t]; t = t - mx.logsumexp(t, axis=-1, keepdims=True)
+            ce.append(-(mx.exp(t) * logp).sum(-1).mean())
+        else:             # hard: its greedy token, where the head can propose it
+            best = t
+            k = t if d2t is None else t2d[t]
+            ok = k >= 0
+            nll = -mx.take_along_axis(logp, mx.maximum(k, 0)[..., None], axis=-1)[..., 0]
+            ce.append((nll * ok).sum() / mx.maximum(ok.sum(), 1))
+        agree.append((guess == best).mean())
     return ce, agree
 
+def extract(target, stream, n:int, seq:int, taps:list=TAPS, seed:int=0, batch:int=4, log=print)->dict:
+    """Tapped features (float16) and the target's greedy tokens over `n` random windows of `seq` (+ the unrolled steps) tokens of `stream`,
+    computed once — for a target too slow to run at every training step. Returns numpy arrays `x`, `f`, `y`."""
+    rng, tap, out = np.random.default_rng(seed), Tap(target, taps), dict(x=[], f=[], y=[])
+    t0 = time.time()
+    for i in range(0, n, batch):
+        x = windows(stream, min(batch, n - i), rng, seq + STEPS_UNROLLED)
+        with tap: logits = target(x)
+        f, y = tap.take(batch=True).astype(mx.float16), logits.argmax(-1).astype(mx.int32)
+        mx.eval(f, y)
+        for k, v in zip("xfy", (x, f, y)): out[k].append(np.array(v))
+        if log and (i // batch) % 25 == 0: log(f"{i + x.shape[0]}/{n} windows, {time.time() - t0:.0f} s")
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+def pick_draft_vocab(ids, k:int)->mx.array:
+    "The `k` most frequent of `ids` (the target's greedy tokens over the training data), in id order: the head's `d2t`."
+    counts = np.bincount(np.asarray(ids).ravel())
+    return mx.array(np.sort(np.argsort(-counts, kind="stable")[:k]).astype(np.int32))
+
+def batch_of(target, tap, src, n, rng, seq):
+    "`n` training windows with their features and labels: cut from a token stream and run through the target (soft labels), or drawn from `extract`'s arrays (hard)."
+    if isinstance(src, dict):
+        i = np.sort(rng.choice(len(src["x"]), n, replace=False))
+        return mx.array(src["x"][i]), mx.array(src["f"][i]).astype(mx.float32), mx.array(src["y"][i])
+    x = windows(src, n, rng, seq + STEPS_UNROLLED)
+    return (x, *target_batch(target, tap, x))
+
 def train_head(target,               # the frozen target (an mlx-lm model)
-               streams:dict,         # {"train": token ids, "heldout": token ids} (1-D arrays)
+               data:dict,            # {"train": …, "heldout": …}: 1-D token ids, or `extract`'s arrays
                steps:int, peak_lr:float=2e-3, seed:int=0, eval_every:int=100, log=print,
-               taps:list=TAPS, batch:int=BATCH, seq:int=SEQ, **head_kw):   # head_kw: `HeadConfig` sizes
+               taps:list=TAPS, batch:int=BATCH, seq:int=SEQ,
+               draft_vocab:int=0,    # propose only this many tokens, the most frequent in the training data (0: all)
+               **head_kw):           # `HeadConfig` sizes
     "Train a head for `target` for `steps` steps; returns it and the evaluation history."
     mx.random.seed(seed); rng = np.random.default_rng(seed)
-    head = DraftHead(HeadConfig.for_target(target, taps, **head_kw))
+    head = DraftHead(HeadConfig.for_target(target, taps, draft_vocab=draft_vocab, **head_kw))
+    if draft_vocab: head.d2t = pick_draft_vocab(data["train"]["y"] if isinstance(data["train"], dict) else data["train"], draft_vocab)
+    rows = head.vocab_rows(target)
     tap, opt = Tap(target, taps), optim.AdamW(learning_rate=peak_lr, weight_decay=0.01)
-    held = windows(streams["heldout"], 16, np.random.default_rng(1234), seq + STEPS_UNROLLED)
-    held_f, held_t = target_batch(target, tap, held)
-    grad = nn.value_and_grad(head, lambda h, x, f, t: sum(losses(h, target, x, f, t)[0]) / STEPS_UNROLLED)
+    held = batch_of(target, tap, data["heldout"], 16, np.random.default_rng(1234), seq)
+    grad = nn.value_and_grad(head, lambda h, x, f, t: sum(losses(h, target, x, f, t, rows=rows)[0]) / STEPS_UNROLLED)
     hist, t0 = [], time.time()
     for step in range(steps + 1):
         if step % eval_every == 0 or step == steps:
-            ce, agree = losses(head, target, held, held_f, held_t)
-            hist.append(dict(step=step, tokens=step * batch * seq, wall_s=round(time.time() - t0, 1),
+            ce, agree = losses(head, target, *held, rows=rows)
+            hist.append(dict(step=step, tokens=step * batch * (held[0].shape[1] - STEPS_UNROLLED), wall_s=round(time.time() - t0, 1),
                              loss=[round(c.item(), 4) for c in ce], agree=[round(a.item(), 4) for a in agree]))
-            log(hist[-1])
+            if log: log(hist[-1])
         if step == steps: break
         opt.learning_rate = lr_at(step, steps, peak_lr)
-        x = windows(streams["train"], batch, rng, seq + STEPS_UNROLLED)
-        f, t = target_batch(target, tap, x)
-        loss, g = grad(head, x, f, t)
+        loss, g = grad(head, *batch_of(target, tap, data["train"], batch, rng, seq))
         opt.update(head, g)
         mx.eval(head.parameters(), opt.state, loss)
     return head, hist
+

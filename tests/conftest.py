@@ -3,7 +3,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Debian's OpenBLAS: the Linux mlx[cpu] wheel ships a reference BLAS that is ~30x slower for fp32 matmul.
-from specnb.models import OPENBLAS, openblas_relaunch
+from specnb.models import OPENBLAS, openblas_env, openblas_relaunch
 
 def pytest_configure(config):
     "Restart pytest once with OpenBLAS preloaded (it must be loaded before MLX): the suite runs several times faster."
@@ -20,7 +20,5 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def fast_env():
-    "The environment for child processes: OpenBLAS preloaded where the machine has it."
-    env = dict(os.environ)
-    if OPENBLAS.exists() and "LD_PRELOAD" not in env: env["LD_PRELOAD"] = str(OPENBLAS)
-    return env
+    "The environment for child processes: OpenBLAS preloaded (with this CPU's kernels) where the machine has it."
+    return openblas_env() if OPENBLAS.exists() else dict(os.environ)

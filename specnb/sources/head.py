@@ -34,6 +34,7 @@ class HeadConfig:
     num_attention_heads: int = 2
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    draft_vocab: int = 0          # how many tokens it may propose (its `d2t` ids; 0: the whole vocabulary)
     model_type: str = "specnb_draft_head"
 
     def block_args(self)->llama.ModelArgs:
@@ -58,17 +59,34 @@ class DraftHead(nn.Module):
         self.inp = nn.Linear(h + H, h, bias=False)
         self.block = llama.TransformerBlock(cfg.block_args())
         self.out = nn.Linear(h, H, bias=False)                           # back to the target's width
+        if cfg.draft_vocab:   # the target ids it may propose, in draft order: set by training, saved with the weights, never trained
+            self.d2t = mx.arange(cfg.draft_vocab, dtype=mx.int32)
+            self.freeze(recurse=False, keys=["d2t"])
 
     def __call__(self, feature, embedding, mask=None, cache=None)->mx.array:
         "The next features `(B, T, h)` from features `(B, T, h)` and the embeddings of the tokens after them `(B, T, target_hidden)`."
         return self.block(self.inp(mx.concatenate([self.feature_norm(feature), embedding], axis=-1)), mask, cache)
+
+    def vocab_rows(self, model)->mx.array|None:
+        "The rows of `model`'s output projection for the draft vocabulary, float32 `(draft_vocab, H)` (None: the head drafts over all of it)."
+        if not self.cfg.draft_vocab: return None
+        layer, ids = getattr(model, "lm_head", None) or model.model.embed_tokens, self.d2t
+        if hasattr(layer, "scales"):   # a quantized lm-head or tied embedding: unpack just these rows
+            biases = layer.biases[ids] if "biases" in layer else None
+            return mx.dequantize(layer.weight[ids], layer.scales[ids], biases, layer.group_size, layer.bits, dtype=mx.float32)
+        return layer.weight[ids].astype(mx.float32)
+
+    def logits(self, model, a, rows=None)->mx.array:
+        "Logits of head outputs `a` through `model`'s final norm and lm-head: over the draft vocabulary when given its `rows`."
+        x = model.model.norm(self.out(a))
+        return output_head(model)(x) if rows is None else x @ rows.T
 
 # %% ../../nbs/05e_head.ipynb #da9b14ce
 def save_head(head:DraftHead, path, dtype=mx.float16):
     "Write `config.json` and `model.safetensors` (weights cast to `dtype`) into the folder `path`."
     path = Path(path); path.mkdir(parents=True, exist_ok=True)
     (path/"config.json").write_text(json.dumps(asdict(head.cfg), indent=1))
-    mx.save_safetensors(str(path/"model.safetensors"), {k: v.astype(dtype) for k, v in tree_flatten(head.parameters())}, metadata={"format": "mlx"})
+    mx.save_safetensors(str(path/"model.safetensors"), {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in tree_flatten(head.parameters())}, metadata={"format": "mlx"})
 
 def load_head(path=None)->DraftHead:
     "The head in the folder `path` (default: the one trained for the bundled target), in float32."
@@ -84,9 +102,10 @@ def load_head(path=None)->DraftHead:
     return head
 
 def random_head(model, tap_layers:list, seed:int=0, **kw)->DraftHead:
-    "An untrained head for `model` (tests): same seed, same weights."
+    "An untrained head for `model` (tests): same seed, same weights (and, with `draft_vocab`, the same random draft vocabulary)."
     mx.random.seed(seed)
     head = DraftHead(HeadConfig.for_target(model, tap_layers, **kw))
+    if head.cfg.draft_vocab: head.d2t = mx.sort(mx.random.permutation(head.cfg.vocab_size)[:head.cfg.draft_vocab]).astype(mx.int32)
     mx.eval(head.parameters())
     return head
 
@@ -104,11 +123,10 @@ class HeadCache(KVCache):
 class HeadSource:
     "Per-request state of the head drafter: its cache, in lockstep with the target's."
     def __init__(self, head:DraftHead, target:TargetView, sampler=None, grammar=None):
-        inner = target.model.model
         self.head, self.target, self.sampler, self.grammar = head, target, sampler, grammar
         self.tap_layers = head.cfg.tap_layers
-        self.embed, self.norm = inner.embed_tokens, inner.norm
-        self.lm_head = output_head(target.model)
+        self.embed = target.model.model.embed_tokens
+        self.rows = head.vocab_rows(target.model)
         self.cache, self.tokens, self.last, self.out, self.logits, self.skipped = HeadCache(), [], None, [], [], None
 
     def prefill(self, prompt_ids, ctx=None):
@@ -135,7 +153,13 @@ class HeadSource:
         if self.cache.offset + self.skipped != t:
             raise RuntimeError(f"draft head out of lockstep: {self.cache.offset} entries (+{self.skipped} unseen) for a target cache of {t}")
 
-    def readout(self, a): return self.lm_head(self.norm(self.head.out(a)))
+    def readout(self, a):
+        "Full-vocabulary logits of head outputs `a`; with a draft vocabulary, every other token at -inf (never drafted)."
+        logits = self.head.logits(self.target.model, a, self.rows)
+        if self.rows is None: return logits
+        full = mx.full((*logits.shape[:-1], self.head.cfg.vocab_size), -mx.inf)
+        full[..., self.head.d2t] = logits
+        return full
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
         self.tokens += [int(t) for t in feed]
