@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache
 from ..models import bundled_dir
 from ..accept import sample_positions
 from ..tap import check_tappable
-from .base import TargetView, draft_distribution, fork_grammar, output_head
+from .base import TargetView, draft_distribution, fork_grammar, output_head, output_layer
 
 # %% ../../nbs/05e_head.ipynb #82af87f1
 @dataclass
@@ -70,7 +70,7 @@ class DraftHead(nn.Module):
     def vocab_rows(self, model)->mx.array|None:
         "The rows of `model`'s output projection for the draft vocabulary, float32 `(draft_vocab, H)` (None: the head drafts over all of it)."
         if not self.cfg.draft_vocab: return None
-        layer, ids = getattr(model, "lm_head", None) or model.model.embed_tokens, self.d2t
+        layer, ids = output_layer(model), self.d2t
         if hasattr(layer, "scales"):   # a quantized lm-head or tied embedding: unpack just these rows
             biases = layer.biases[ids] if "biases" in layer else None
             return mx.dequantize(layer.weight[ids], layer.scales[ids], biases, layer.group_size, layer.bits, dtype=mx.float32)
