@@ -116,11 +116,14 @@ def train_head(target,               # the frozen target (an mlx-lm model)
                steps:int, peak_lr:float=2e-3, seed:int=0, eval_every:int=100, log=print,
                taps:list=TAPS, batch:int=BATCH, seq:int=SEQ,
                draft_vocab:int=0,    # propose only this many tokens, the most frequent in the training data (0: all)
+               init:DraftHead|None=None, # go on training this head (its taps, sizes and draft vocabulary stay) instead of a new one
                **head_kw):           # `HeadConfig` sizes
     "Train a head for `target` for `steps` steps; returns it and the evaluation history."
     mx.random.seed(seed); rng = np.random.default_rng(seed)
-    head = DraftHead(HeadConfig.for_target(target, taps, draft_vocab=draft_vocab, **head_kw))
-    if draft_vocab: head.d2t = pick_draft_vocab(data["train"]["y"] if isinstance(data["train"], dict) else data["train"], draft_vocab)
+    if init is not None: head, taps = init, init.cfg.tap_layers
+    else:
+        head = DraftHead(HeadConfig.for_target(target, taps, draft_vocab=draft_vocab, **head_kw))
+        if draft_vocab: head.d2t = pick_draft_vocab(data["train"]["y"] if isinstance(data["train"], dict) else data["train"], draft_vocab)
     rows = head.vocab_rows(target)
     tap, opt = Tap(target, taps), optim.AdamW(learning_rate=peak_lr, weight_decay=0.01)
     held = batch_of(target, tap, data["heldout"], 16, np.random.default_rng(1234), seq)
