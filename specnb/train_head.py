@@ -120,7 +120,11 @@ def train_head(target,               # the frozen target (an mlx-lm model)
                **head_kw):           # `HeadConfig` sizes
     "Train a head for `target` for `steps` steps; returns it and the evaluation history."
     mx.random.seed(seed); rng = np.random.default_rng(seed)
-    if init is not None: head, taps = init, init.cfg.tap_layers
+    if init is not None:
+        ignored = ({"draft_vocab": draft_vocab} if draft_vocab else {}) | head_kw
+        if list(taps) not in (list(TAPS), list(init.cfg.tap_layers)): ignored["taps"] = taps
+        if ignored: raise ValueError(f"init= goes on training that head with its own taps, sizes and draft vocabulary; these would be ignored: {ignored}")
+        head, taps = init, init.cfg.tap_layers
     else:
         head = DraftHead(HeadConfig.for_target(target, taps, draft_vocab=draft_vocab, **head_kw))
         if draft_vocab: head.d2t = pick_draft_vocab(data["train"]["y"] if isinstance(data["train"], dict) else data["train"], draft_vocab)
