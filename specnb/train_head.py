@@ -114,7 +114,8 @@ def batch_of(target, tap, src, n, rng, seq):
 def train_head(target,               # the frozen target (an mlx-lm model)
                data:dict,            # {"train": …, "heldout": …}: 1-D token ids, or `extract`'s arrays
                steps:int, peak_lr:float=2e-3, seed:int=0, eval_every:int=100, log=print,
-               taps:list=TAPS, batch:int=BATCH, seq:int=SEQ,
+               taps:list|None=None,  # the target layers a new head reads (None: `TAPS`)
+               batch:int=BATCH, seq:int=SEQ,
                draft_vocab:int=0,    # propose only this many tokens, the most frequent in the training data (0: all)
                init:DraftHead|None=None, # go on training this head (its taps, sizes and draft vocabulary stay) instead of a new one
                **head_kw):           # `HeadConfig` sizes
@@ -122,10 +123,11 @@ def train_head(target,               # the frozen target (an mlx-lm model)
     mx.random.seed(seed); rng = np.random.default_rng(seed)
     if init is not None:
         ignored = ({"draft_vocab": draft_vocab} if draft_vocab else {}) | head_kw
-        if list(taps) not in (list(TAPS), list(init.cfg.tap_layers)): ignored["taps"] = taps
+        if taps is not None and list(taps) != list(init.cfg.tap_layers): ignored["taps"] = taps
         if ignored: raise ValueError(f"init= goes on training that head with its own taps, sizes and draft vocabulary; these would be ignored: {ignored}")
         head, taps = init, init.cfg.tap_layers
     else:
+        taps = TAPS if taps is None else taps
         head = DraftHead(HeadConfig.for_target(target, taps, draft_vocab=draft_vocab, **head_kw))
         if draft_vocab: head.d2t = pick_draft_vocab(data["train"]["y"] if isinstance(data["train"], dict) else data["train"], draft_vocab)
     rows = head.vocab_rows(target)
