@@ -8,6 +8,7 @@ from .sources.base import DraftProvider, DraftSource, TargetView, NoDraft
 from .sources.two_model import TwoModelProvider
 from .sources.ngram import NgramProvider
 from .sources.adaptive import AdaptiveProvider
+from .sources.lookup_first import LookupFirstProvider
 from .sources.early_exit import EarlyExitProvider
 from .sources.head import HeadProvider, load_head
 from .tap import Tap

@@ -24,6 +24,7 @@ from .sources.base import TargetView
 from .sources.ngram import NgramProvider
 from .sources.early_exit import EarlyExitProvider
 from .sources.head import HeadProvider
+from .sources.lookup_first import LookupFirstProvider
 from .tap import Tap
 
 # %% ../nbs/09_bench.ipynb #413c8384
@@ -145,6 +146,8 @@ SOURCES = {"two-model": lambda pair, exit_layer, draft_head: TwoModelProvider(pa
            "ngram": lambda pair, exit_layer, draft_head: NgramProvider(),
            "early-exit": lambda pair, exit_layer, draft_head: EarlyExitProvider(exit_layer),
            "head": lambda pair, exit_layer, draft_head: HeadProvider(draft_head)}   # None: the head shipped for the bundled target
+for _s in ("two-model", "early-exit", "head"):   # prompt lookup first, each model source where it finds no match
+    SOURCES[f"{_s}+lookup"] = lambda pair, exit_layer, draft_head, s=_s: LookupFirstProvider(SOURCES[s](pair, exit_layer, draft_head))
 
 def _machine()->dict:
     "What ran the benchmark: the machine, the BLAS, the versions, the commit."
@@ -165,7 +168,7 @@ def run_bench(pair,                                   # a `ModelPair` (`specnb.m
     "Plain decoding, every source at every γ and mlx-lm at every γ, interleaved; with the cost fits and each row's bound."
     unknown = [s for s in sources if s not in SOURCES]
     if unknown: raise ValueError(f"unknown source {unknown[0]!r}; choose from {list(SOURCES)}")
-    if "two-model" in sources and pair.draft is None: raise ValueError("the two-model source needs a draft model")
+    if any(s.startswith("two-model") for s in sources) and pair.draft is None: raise ValueError("the two-model source needs a draft model")
     if not gammas or min(gammas) < 1: raise ValueError(f"gammas must be integers >= 1, got {list(gammas)}")
     T, D, tok = pair.target, pair.draft, pair.tokenizer
     providers = {s: SOURCES[s](pair, exit_layer, draft_head) for s in sources}
@@ -180,7 +183,7 @@ def run_bench(pair,                                   # a `ModelPair` (`specnb.m
     res = interleaved(runs, prompts, repeats, progress=progress)
     G = max(gammas)
     verify = verify_costs(T, prompts[0], range(1, G + 2))
-    drafts = {s: draft_costs(providers[s], T, prompts[0], range(1, G + 1)) for s in sources}
+    drafts = {s: draft_costs(providers[s], T, prompts[0], range(1, G + 1)) for s in sources if not s.endswith("+lookup")}
     vfit, dfit = _line(verify), {s: _line(c) for s, c in drafts.items()}
     plain = res["plain"]["tps"]
     rows = []
@@ -253,7 +256,7 @@ def cmd_bench(args):
     if args.max_tokens < 1 or args.repeats < 1: raise ValueError(f"--max-tokens and --repeats must be >= 1, got {args.max_tokens} and {args.repeats}")
     if args.draft_model and not args.model: raise ValueError("--draft-model needs a --model (without one the bundled pair is benchmarked)")
     pair = load_pair(args.model, args.draft_model) if args.model else load_pair()
-    if pair.draft is None: sources = [s for s in sources if s != "two-model"]
+    if pair.draft is None: sources = [s for s in sources if not s.startswith("two-model")]
     result = run_bench(pair, sources, gammas, texts, args.max_tokens, args.repeats, mlx_lm=not args.no_mlx_lm,
                        exit_layer=args.exit_layer, draft_head=args.draft_head, progress=True)
     print_bench(result)

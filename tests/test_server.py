@@ -253,6 +253,7 @@ def foreign_draft(tmp_path_factory, pair):
 @pytest.mark.parametrize("args,says", [
     (["--draft-kind", "early-exit", "--exit-layer", "9"], "not below the target's 6 layers"),
     (["--draft-kind", "ngram", "--draft-model", "x/y"], "takes no --draft-model"),
+    (["--draft-kind", "ngram", "--lookup-first"], "not ngram"),
     (["--draft-head", "/nonexistent/head"], "no draft head at /nonexistent/head"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
     (["--max-queue", "0"], "--max-queue must be >= 1"),
@@ -277,3 +278,17 @@ def test_other_draft_kinds_serve_the_same_text(kind, client):
         assert r.choices[0].text == ref and r.usage.speculation["rounds"] > 0
         again = c.completions.create(model=MODEL, prompt="def read_config(path):\n    " + ref + "\n", max_tokens=10)
         assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+def test_lookup_first_serves_the_same_text(client):
+    "Prompt lookup in front of the head through the server: the same text, a follow-up turn on the saved target and head caches."
+    prompt = "class Node:\n    def __init__(self, name):\n        self.name = name\n\nclass Leaf:\n    def __init__(self, name):\n"
+    ref = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40).choices[0].text
+    with running_server("--draft-kind", "head", "--lookup-first") as u:
+        c = openai.OpenAI(base_url=u + "/v1", api_key="not-needed", max_retries=0)
+        assert httpx.get(u + "/health").json()["draft_kind"] == "head+lookup"
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=40)
+        assert r.choices[0].text == ref and r.usage.speculation["rounds"] > 0
+        follow = prompt + ref + "\n"
+        again = c.completions.create(model=MODEL, prompt=follow, max_tokens=24)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        assert again.choices[0].text == client.completions.create(model=MODEL, prompt=follow, max_tokens=24).choices[0].text
