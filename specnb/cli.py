@@ -33,7 +33,7 @@ def draft_kind(model, draft_model, kind=None, draft_head=None)->str:
     if kind == "two-model" and model and not draft_model: raise ValueError("--draft-kind two-model needs a --draft-model for a target other than the bundled one")
     return kind
 
-def ngram_min(kind, args)->int:
+def ngram_min(args)->int:
     "The shortest match prompt lookup drafts from: `--ngram-min`, else 1 for the ngram kind and 3 in front of a model (`--lookup-first`)."
     return args.ngram_min if args.ngram_min is not None else 3 if args.lookup_first else 1
 
@@ -41,7 +41,7 @@ def make_provider(kind, args):
     "The provider for a draft kind that needs no draft model (ngram, early-exit, head); None for two-model (made once loaded) and none."
     if args.draft_p_min is not None and kind != "two-model": raise ValueError(f"--draft-p-min applies to two-model drafting, not {kind}")
     if args.lookup_first and kind in ("ngram", "none"): raise ValueError(f"--lookup-first puts prompt lookup in front of a model draft (two-model, head, early-exit), not {kind}")
-    lookup = NgramProvider(args.ngram_max, ngram_min(kind, args))   # checks the n-gram lengths for ngram and --lookup-first alike
+    lookup = NgramProvider(args.ngram_max, ngram_min(args))   # checks the n-gram lengths for ngram and --lookup-first alike
     if kind == "ngram": return lookup
     if kind == "early-exit": return EarlyExitProvider(args.exit_layer)
     if kind == "head": return HeadProvider(args.draft_head)
@@ -57,7 +57,7 @@ def load_drafting(args):
     if kind == "two-model": provider = TwoModelProvider(pair.draft, p_min=args.draft_p_min)
     if kind in ("early-exit", "head"): provider.check(pair.target)   # a model they cannot serve fails here, not per request
     if args.lookup_first:
-        provider = LookupFirstProvider(provider, ngram_min(kind, args), args.ngram_max); kind = f"{kind}+lookup"
+        provider = LookupFirstProvider(provider, ngram_min(args), args.ngram_max); kind = f"{kind}+lookup"
     if args.adaptive and provider is not None: provider = AdaptiveProvider(provider, start=min(3, args.num_draft_tokens))
     return pair, provider, kind
 
