@@ -42,7 +42,7 @@ class LookupFirstSource:
             self.behind = [int(t) for t in kept]   # never in the inner source's context: it reads them next round
         else:
             self.inner.commit(d, k, ctx)
-            self.lookup._push(kept)
+            self.lookup.extend(kept)
 
     def save(self, held, **kw): return self.inner.save(held, **kw)   # a saved context is the inner source's; lookup rebuilds from the prompt
     def draft_logprobs(self): return None if self.by_lookup else self.inner.draft_logprobs()   # None: exact match this round

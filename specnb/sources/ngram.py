@@ -19,7 +19,7 @@ class NgramSource:
         self.max_ngram, self.min_ngram, self.match = max_ngram, min_ngram, match
         self.history, self.index, self.last = [], {}, []
 
-    def _push(self, tokens):
+    def extend(self, tokens):
         "Append tokens to the history, indexing every k-gram that ends at each new position."
         h, idx = self.history, self.index
         for t in tokens:
@@ -28,7 +28,7 @@ class NgramSource:
             for k in range(self.min_ngram, min(self.max_ngram, len(h)) + 1):
                 idx.setdefault(tuple(h[-k:]), []).append(end)
 
-    def prefill(self, prompt_ids, ctx=None): self._push(list(prompt_ids)[:-1])
+    def prefill(self, prompt_ids, ctx=None): self.extend(list(prompt_ids)[:-1])
 
     def lookup(self, n:int)->list:
         "Up to `n` tokens that followed the longest earlier occurrence of the history's trailing k-gram."
@@ -41,12 +41,12 @@ class NgramSource:
         return []
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
-        self._push(feed)
+        self.extend(feed)
         self.last = self.lookup(n) if n > 0 else []
         return list(self.last)
 
     def commit(self, d, k, ctx=None):
-        self._push(self.last[: min(k, d - 1)])  # the last kept draft (if all were kept) comes back in the feed
+        self.extend(self.last[: min(k, d - 1)])  # the last kept draft (if all were kept) comes back in the feed
 
     def save(self, held): return []   # nothing worth keeping: prefill rebuilds the index from the prompt
     def draft_logprobs(self): return None   # a lookup has no distribution: the round falls back to exact match
