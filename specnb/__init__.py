@@ -1,21 +1,39 @@
 "Speculative decoding for MLX, written as a literate nbdev package."
 __version__ = "0.0.1"
 
-from . import models
-from .accept import Sampling
-from .executor import spec_generate, spec_stream, generate, SpecResult, SpecStats, SpecStream
-from .sources.base import DraftProvider, DraftSource, TargetView, NoDraft
-from .sources.two_model import TwoModelProvider
-from .sources.ngram import NgramProvider
-from .sources.adaptive import AdaptiveProvider
-from .sources.lookup_first import LookupFirstProvider
-from .sources.early_exit import EarlyExitProvider
-from .sources.head import HeadProvider, load_head
-from .tap import Tap
+import importlib
+
+# First, before anything imports MLX: on Linux, Debian's OpenBLAS into the global symbol scope (see nbs/00c_blas.ipynb).
+# It is a dlopen, and `specnb.blas` imports no MLX; SPECNB_NO_OPENBLAS=1 turns it off.
+from .blas import load_openblas
+load_openblas()
+
+# The public names, each loaded from its module on first use: `import specnb` (and `specnb --help`) pulls in no MLX,
+# mlx-lm or torch until a name that needs them is touched.
+_LAZY = {
+    "Sampling": "accept",
+    **dict.fromkeys(["spec_generate", "spec_stream", "generate", "SpecResult", "SpecStats", "SpecStream"], "executor"),
+    **dict.fromkeys(["DraftProvider", "DraftSource", "TargetView", "NoDraft"], "sources.base"),
+    "TwoModelProvider": "sources.two_model",
+    "NgramProvider": "sources.ngram",
+    "AdaptiveProvider": "sources.adaptive",
+    "LookupFirstProvider": "sources.lookup_first",
+    "EarlyExitProvider": "sources.early_exit",
+    **dict.fromkeys(["HeadProvider", "load_head"], "sources.head"),
+    "Tap": "tap",
+}
+__all__ = ["models", "grammar", *_LAZY]
 
 def __getattr__(name):
-    # `specnb.grammar` imports xgrammar, which imports torch: load it on first use, not with `import specnb`
-    if name == "grammar":
-        import importlib
-        return importlib.import_module(".grammar", __name__)
-    raise AttributeError(f"module 'specnb' has no attribute {name!r}")
+    "A public name from `_LAZY`, or a submodule (`specnb.models`, `specnb.grammar`, ...), imported on first use."
+    if name in _LAZY: value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    elif name.startswith("_"): raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    else:
+        try: value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}": raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+def __dir__(): return sorted({*globals(), *__all__})

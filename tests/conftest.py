@@ -2,12 +2,13 @@ import os, pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Debian's OpenBLAS: the Linux mlx[cpu] wheel ships a reference BLAS that is ~30x slower for fp32 matmul.
-from specnb.models import OPENBLAS, openblas_env, openblas_relaunch
+# Importing specnb loads Debian's OpenBLAS into this process before MLX (the Linux mlx[cpu] wheel's reference BLAS is ~30x slower
+# for fp32 matmul): see nbs/00c_blas.ipynb.
+from specnb.blas import OPENBLAS, openblas_env, openblas_relaunch
 
 def pytest_configure(config):
-    "Restart pytest once with OpenBLAS preloaded (it must be loaded before MLX): the suite runs several times faster."
-    openblas_relaunch()   # the specnb commands' own restart; SPECNB_NO_OPENBLAS=1 turns it off
+    "Restart pytest with OpenBLAS preloaded only where importing specnb could not load it (a plugin imported MLX first)."
+    openblas_relaunch()   # a no-op after the in-process load; SPECNB_NO_OPENBLAS=1 turns both off
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="also run cells and tests flagged slow")
@@ -20,5 +21,5 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def fast_env():
-    "The environment for child processes: OpenBLAS preloaded (with this CPU's kernels) where the machine has it."
+    "The environment for child processes: OpenBLAS preloaded (with this CPU's kernels) where the machine has it, since notebooks import MLX before specnb."
     return openblas_env() if OPENBLAS.exists() else dict(os.environ)
