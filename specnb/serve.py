@@ -7,17 +7,16 @@ Docs: https://specnb.github.io/specnb/serve.html.md"""
 # %% auto #0
 __all__ = ['log', 'StopText', 'PromptCache', 'Metrics', 'APIError', 'Job', 'speculation_usage', 'Engine', 'JSONSchemaFormat',
            'ResponseFormat', 'StreamOptions', 'TextPart', 'Message', 'ChatRequest', 'CompletionRequest', 'chat_prompt',
-           'completion_prompt', 'make_job', 'make_grammar', 'make_app', 'cmd_serve', 'running_server']
+           'completion_prompt', 'make_job', 'make_grammar', 'check_model', 'respond', 'make_app', 'cmd_serve']
 
 # %% ../nbs/08_serve.ipynb #28f2cd77
-import asyncio, json, logging, queue, shutil, socket, subprocess, sys, tempfile, threading, time, uuid
-from contextlib import asynccontextmanager, contextmanager
-from pathlib import Path
+import asyncio, json, logging, queue, re, threading, time, uuid
+from contextlib import asynccontextmanager
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 import mlx.core as mx
-import httpx, uvicorn
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,8 +29,10 @@ from mlx_lm.sample_utils import make_logits_processors
 from .accept import Sampling
 from .executor import spec_stream, spec_generate
 from .grammar import from_json_schema, json_object
-from .cli import load_drafting, DecodedText
-from .models import blas_in_use, logits_width
+from .sources.registry import load_drafting
+from .detok import DecodedText
+from .models import logits_width
+from .blas import blas_in_use
 
 # %% ../nbs/08_serve.ipynb #336f7a50
 class StopText:
@@ -198,9 +199,25 @@ class Engine:
                 job.emit("error", f"{type(e).__name__}: {e}")
             finally: self.metrics.running.dec()
 
+    def _emit_text(self, job:Job, stream)->str|None:
+        "Detokenize `stream` into the job's text events, cut at stop sequences; the finish reason when text decides it."
+        text, stop = DecodedText(self.tokenizer), StopText(job.stop)
+        with stream:   # leaving it closes the executor's loop: the caches hold prompt + tokens[:fed]
+            for i, t in enumerate(stream):
+                if i == 0: self.metrics.ttft.observe(time.perf_counter() - job.queued_at)
+                text.add(t)
+                delta, hit = stop.push(text.text)
+                if delta: job.emit("text", delta)
+                if hit: return "stop"
+                if job.cancelled.is_set(): return "cancelled"
+        text.finish()
+        delta, hit = stop.push(text.text, final=True)
+        if delta: job.emit("text", delta)
+        return "stop" if hit else None
+
     def run(self, job:Job):
         "Generate one job's tokens (on the calling thread), emitting its events."
-        m, tok = self.metrics, self.tokenizer
+        m = self.metrics
         m.queue_wait.observe(time.perf_counter() - job.queued_at)
         speculate = self.provider is not None and job.num_draft_tokens > 0
         space = "spec" if speculate else "plain"
@@ -209,24 +226,12 @@ class Engine:
         if job.seed is not None: mx.random.seed(job.seed)
         stream = spec_stream(self.model, self.provider if speculate else None, job.prompt[n_cached:],
                              num_draft_tokens=max(job.num_draft_tokens, 1), max_tokens=job.max_tokens,
-                             eos_token_ids=tok.eos_token_ids, sampler=job.sampler, logits_processors=job.logits_processors,
+                             eos_token_ids=self.tokenizer.eos_token_ids, sampler=job.sampler, logits_processors=job.logits_processors,
                              grammar=job.grammar, prompt_cache=target_cache, cached_tokens=job.prompt[:n_cached], draft_cache=draft_cache,
                              acceptance=job.acceptance)
-        text, stop, finish = DecodedText(tok), StopText(job.stop), None
-        with stream:   # leaving it closes the executor's loop: the caches hold prompt + tokens[:fed]
-            for i, t in enumerate(stream):
-                if i == 0: m.ttft.observe(time.perf_counter() - job.queued_at)
-                text.add(t)
-                delta, hit = stop.push(text.text)
-                if delta: job.emit("text", delta)
-                if hit: finish = "stop"; break
-                if job.cancelled.is_set(): finish = "cancelled"; break
+        finish = self._emit_text(job, stream)
         res = stream.result
-        if finish is None:
-            text.finish()
-            delta, hit = stop.push(text.text, final=True)
-            if delta: job.emit("text", delta)
-            finish = "stop" if hit else (res.finish_reason or "length")
+        finish = finish or res.finish_reason or "length"
         if not speculate or res.draft_cache is not None:   # None: the draft was dropped (a sliding window filled)
             self.cache.insert(space, job.prompt + res.tokens[:res.fed], target_cache, res.draft_cache or [])
         st = res.stats
@@ -341,23 +346,66 @@ def make_job(engine:Engine, req:_Sampling, endpoint:str, prompt:list, grammar)->
                logits_processors=procs or None, grammar=grammar, stop=stop,
                num_draft_tokens=engine.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens, seed=req.seed)
 
+def _plain(message:str)->str:
+    "A compiler's message without the `[hh:mm:ss] /path/file.cc:123:` prefix xgrammar puts before the sentence that names the problem."
+    return re.sub(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ", "", message).strip()
+
 def make_grammar(tokenizer, fmt:ResponseFormat|None):
     "The grammar for a `response_format` (None for text); an invalid schema is a 400."
     if fmt is None or fmt.type == "text": return None
     if fmt.type == "json_object": return json_object(tokenizer)
     if fmt.json_schema is None: raise APIError(400, "response_format of type json_schema needs a json_schema object with a schema", "response_format")
     try: return from_json_schema(tokenizer, fmt.json_schema.schema_)
-    except ValueError as e: raise APIError(400, str(e), "response_format.json_schema.schema") from None
+    except ValueError as e: raise APIError(400, _plain(str(e)), "response_format.json_schema.schema") from None
 
 # %% ../nbs/08_serve.ipynb #484828b7
 def _error_message(e:dict)->str:
     "One line from a pydantic error: the field, what was wrong, the value given."
     loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
-    if e.get("type") == "json_invalid": return f"the request body is not valid JSON ({e.get('ctx', {}).get('error', 'parse error')})"
     if e.get("type") == "missing": return f"{loc}: field required"
     value = repr(e.get("input"))
     return f"{loc}: {e.get('msg', 'invalid')} (got {value[:80] + '…' if len(value) > 80 else value})"
 
+def _json_message(e:dict, doc)->str:
+    "What is wrong with a body that is not JSON, and where: a line and column, as an editor shows them."
+    doc, pos = doc.decode(errors="replace") if isinstance(doc, bytes) else str(doc or ""), e["loc"][-1]
+    line, column = doc.count("\n", 0, pos) + 1, pos - doc.rfind("\n", 0, pos)
+    return f"We could not parse the JSON body of your request: {e.get('ctx', {}).get('error', 'parse error')} (at line {line} column {column})"
+
+def _validation_error(e:RequestValidationError)->APIError:
+    "OpenAI's 400 for a body FastAPI refused: `param` names the top-level field (none when the body is not JSON)."
+    if not (errs := e.errors()): return APIError(400, "invalid request")
+    if errs[0].get("type") == "json_invalid": return APIError(400, _json_message(errs[0], e.body))
+    param = ".".join(str(x) for x in errs[0].get("loc", ())[1:2])
+    return APIError(400, _error_message(errs[0]), param or None)
+
+def check_model(engine:Engine, name:str|None):
+    "Refuse a model this server does not serve: 404 `model_not_found`, as OpenAI answers."
+    if name not in (None, "", engine.model_id, "default_model"):
+        raise APIError(404, f"model {name!r} is not served here; this server serves {engine.model_id!r}", "model", "model_not_found")
+
+def _add_error_handlers(app:FastAPI, engine:Engine):
+    "Answer every error with OpenAI's error object, counting refused requests by reason; the process never goes down with a request."
+    @app.exception_handler(APIError)
+    async def _api_error(request, e):
+        if e.status in (400, 404): engine.metrics.refused.labels(e.code or "bad_request").inc()
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e):
+        engine.metrics.refused.labels("bad_request").inc()
+        return _validation_error(e).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e):
+        return APIError(e.status_code, f"{e.detail}: {request.method} {request.url.path}").response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, e):
+        log.exception("unexpected error")
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
+
+# %% ../nbs/08_serve.ipynb #5e1f0a02
 class _SSE(StreamingResponse):
     "A stream that flags its job cancelled however it ends — finished, client gone, or server stopping."
     def __init__(self, body, job:Job):
@@ -369,107 +417,88 @@ class _SSE(StreamingResponse):
 
 def _sse(obj)->str: return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
-# %% ../nbs/08_serve.ipynb #38170389
-def make_app(engine:Engine)->FastAPI:
-    "The FastAPI application serving `engine` (its worker runs while the app does)."
-    @asynccontextmanager
-    async def lifespan(app):
-        engine.start()
-        yield
-        engine.stop()
-    app = FastAPI(title="specnb", lifespan=lifespan)
+class _Reply:
+    "The shape of one request's answer — its id, object names and model — as stream chunks or one body."
+    def __init__(self, endpoint:str, model:str, usage_wanted:bool):
+        self.chat, self.model, self.usage_wanted, self.created = endpoint == "chat", model, usage_wanted, int(time.time())
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
-    @app.exception_handler(APIError)
-    async def _api_error(request, e):
-        if e.status == 400: engine.metrics.refused.labels("bad_request").inc()
-        return e.response()
+    def chunk(self, text=None, finish=None, role=False)->dict:
+        "One streamed chunk: the assistant's role, a piece of text, or the finish reason."
+        if self.chat: choice = {"index": 0, "delta": ({"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}),
+                                "finish_reason": finish, "logprobs": None}
+        else: choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion", "created": self.created,
+               "model": self.model, "choices": [choice]}
+        if self.usage_wanted: out["usage"] = None
+        return out
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, e):
-        engine.metrics.refused.labels("bad_request").inc()
-        errs = e.errors()
-        param = ".".join(str(x) for x in errs[0].get("loc", ())[1:2]) if errs else None
-        return APIError(400, _error_message(errs[0]) if errs else "invalid request", param or None).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e):
-        return APIError(e.status_code, f"{e.detail}: {request.method} {request.url.path}", type="invalid_request_error").response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request, e):
-        log.exception("unexpected error")
-        return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
-
-    def check_model(name):
-        if name not in (None, "", engine.model_id, "default_model"):
-            raise APIError(400, f"model {name!r} is not served here; this server serves {engine.model_id!r}", "model", "model_not_found")
-
-    async def respond(req:_Sampling, endpoint:str, prompt:list):
-        job = make_job(engine, req, endpoint, prompt, None)
-        job.grammar = await run_in_threadpool(make_grammar, engine.tokenizer, req.response_format)   # compiling can take a while
-        job.loop = asyncio.get_running_loop()
-        engine.submit(job)
-        chat, created = endpoint == "chat", int(time.time())
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        usage_wanted = req.stream_options is not None and req.stream_options.include_usage
-
-        def chunk(text=None, finish=None, role=False)->dict:
-            if chat: choice = {"index": 0, "delta": ({"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}),
-                               "finish_reason": finish, "logprobs": None}
-            else: choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                   "model": engine.model_id, "choices": [choice]}
-            if usage_wanted: out["usage"] = None
-            return out
-
-        async def events():
-            "The job's events; text that arrived together (a round's accepted tokens) comes as one piece, one chunk."
-            while True:
-                evs = await job.next_events()
-                text = "".join(e[1] for e in evs if e[0] == "text")
-                if text: yield ("text", text)
-                for e in evs:
-                    if e[0] != "text": yield e; return
-
-        if req.stream:
-            async def body():
-                if chat: yield _sse(chunk(role=True))
-                async for ev in events():
-                    if ev[0] == "text": yield _sse(chunk(ev[1]))
-                    elif ev[0] == "error": yield _sse({"error": {"message": ev[1], "type": "server_error", "param": None, "code": None}})
-                    else:
-                        yield _sse(chunk(finish=ev[1]))
-                        if usage_wanted: yield _sse({**chunk(), "choices": [], "usage": ev[2]})
-                yield _sse("[DONE]")
-            return _SSE(body(), job)
-
-        parts = []
-        try:
-            async for ev in events():
-                if ev[0] == "text": parts.append(ev[1])
-                elif ev[0] == "error": raise APIError(500, f"generation failed: {ev[1]}", type="server_error")
-                else: finish, usage = ev[1], ev[2]
-        except asyncio.CancelledError:
-            job.cancelled.set(); raise
-        text = "".join(parts)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None} if chat
+    def body(self, text:str, finish:str, usage:dict)->dict:
+        "The whole answer, not streamed."
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None} if self.chat
                   else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": engine.model_id, "choices": [choice], "usage": usage}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
+                "model": self.model, "choices": [choice], "usage": usage}
 
+# %% ../nbs/08_serve.ipynb #5e1f0a03
+async def _events(job:Job):
+    "The job's events; text that arrived together (a round's accepted tokens) comes as one piece, one chunk."
+    while True:
+        evs = await job.next_events()
+        text = "".join(e[1] for e in evs if e[0] == "text")
+        if text: yield ("text", text)
+        for e in evs:
+            if e[0] != "text": yield e; return
+
+async def _streamed(reply:_Reply, job:Job):
+    "The answer as server-sent events, ending `data: [DONE]`; with `include_usage`, a last chunk carries the usage."
+    if reply.chat: yield _sse(reply.chunk(role=True))
+    async for ev in _events(job):
+        if ev[0] == "text": yield _sse(reply.chunk(ev[1]))
+        elif ev[0] == "error": yield _sse({"error": {"message": ev[1], "type": "server_error", "param": None, "code": None}})
+        else:
+            yield _sse(reply.chunk(finish=ev[1]))
+            if reply.usage_wanted: yield _sse({**reply.chunk(), "choices": [], "usage": ev[2]})
+    yield _sse("[DONE]")
+
+async def _whole(reply:_Reply, job:Job)->dict:
+    "The answer as one body once the job is done; a client that goes away first cancels the job."
+    parts = []
+    try:
+        async for ev in _events(job):
+            if ev[0] == "text": parts.append(ev[1])
+            elif ev[0] == "error": raise APIError(500, f"generation failed: {ev[1]}", type="server_error")
+            else: finish, usage = ev[1], ev[2]
+    except asyncio.CancelledError:
+        job.cancelled.set(); raise
+    return reply.body("".join(parts), finish, usage)
+
+async def respond(engine:Engine, req:_Sampling, endpoint:str, prompt:list):
+    "Queue the request's job and answer it: streamed, or as one body."
+    job = make_job(engine, req, endpoint, prompt, None)
+    job.grammar = await run_in_threadpool(make_grammar, engine.tokenizer, req.response_format)   # compiling can take a while
+    job.loop = asyncio.get_running_loop()
+    engine.submit(job)
+    reply = _Reply(endpoint, engine.model_id, req.stream_options is not None and req.stream_options.include_usage)
+    if req.stream: return _SSE(_streamed(reply, job), job)
+    return await _whole(reply, job)
+
+# %% ../nbs/08_serve.ipynb #38170389
+def _add_routes(app:FastAPI, engine:Engine):
+    "OpenAI's chat, completions and models endpoints, and `/health` and `/metrics`."
     @app.post("/v1/chat/completions")
     async def chat_completions(req:ChatRequest):
-        check_model(req.model)
+        check_model(engine, req.model)
         if req.tools: raise APIError(400, "tools are not supported by this server", "tools")
         if req.logprobs: raise APIError(400, "logprobs are not supported by this server", "logprobs")
-        return await respond(req, "chat", chat_prompt(engine.tokenizer, req.messages))
+        return await respond(engine, req, "chat", chat_prompt(engine.tokenizer, req.messages))
 
     @app.post("/v1/completions")
     async def completions(req:CompletionRequest):
-        check_model(req.model)
+        check_model(engine, req.model)
         for name in ("echo", "logprobs", "suffix"):
             if getattr(req, name): raise APIError(400, f"{name} is not supported by this server", name)
-        return await respond(req, "completions", completion_prompt(engine.tokenizer, req.prompt, engine.vocab_size))
+        return await respond(engine, req, "completions", completion_prompt(engine.tokenizer, req.prompt, engine.vocab_size))
 
     @app.get("/v1/models")
     async def models():
@@ -482,6 +511,16 @@ def make_app(engine:Engine)->FastAPI:
     @app.get("/metrics")
     async def metrics(): return Response(engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
+def make_app(engine:Engine)->FastAPI:
+    "The FastAPI application serving `engine` (its worker runs while the app does)."
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        yield
+        engine.stop()
+    app = FastAPI(title="specnb", lifespan=lifespan)
+    _add_error_handlers(app, engine)
+    _add_routes(app, engine)
     return app
 
 # %% ../nbs/08_serve.ipynb #a6e99fe3
@@ -501,32 +540,3 @@ def cmd_serve(args):
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     log.info(f"serving {engine.model_id} ({kind} drafting, γ={args.num_draft_tokens}, BLAS {blas_in_use()}) on http://{args.host}:{args.port}")
     uvicorn.run(make_app(engine), host=args.host, port=args.port, log_level=args.log_level)
-
-# %% ../nbs/08_serve.ipynb #33557f4d
-def _free_port()->int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
-
-@contextmanager
-def running_server(*args, timeout:float=180):
-    "Run `specnb serve ARGS` on a free loopback port while the block runs; yields the base URL (`http://127.0.0.1:PORT`)."
-    exe = Path(sys.executable).with_name("specnb")
-    cmd = [str(exe)] if exe.exists() else [shutil.which("specnb") or "specnb"]
-    port = _free_port()
-    with tempfile.TemporaryFile("w+") as log_file:
-        proc = subprocess.Popen(cmd + ["serve", "--port", str(port), "--log-level", "warning", *args], stdout=log_file, stderr=subprocess.STDOUT)
-        url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
-        try:
-            while True:
-                if proc.poll() is not None:
-                    log_file.seek(0); raise RuntimeError(f"specnb serve exited with status {proc.returncode}: {log_file.read().strip()}")
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200: break
-                except httpx.HTTPError: pass
-                if time.monotonic() - t0 > timeout: raise TimeoutError(f"specnb serve did not answer on {url} within {timeout}s")
-                time.sleep(0.2)
-            yield url
-        finally:
-            proc.terminate()
-            try: proc.wait(20)
-            except subprocess.TimeoutExpired: proc.kill(); proc.wait()

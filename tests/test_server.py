@@ -1,15 +1,16 @@
 """`specnb serve` end to end: the server started as a user starts it (a subprocess on a free loopback port) and driven
 with the official `openai` client — chat and completions, streaming and not, structured output, stop sequences,
 usage.speculation, the prompt cache, concurrency, a disconnect, a full queue, bad input and bad start-up arguments."""
-import json, shutil, subprocess, sys, threading, time
+import json, re, shutil, subprocess, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import httpx, jsonschema, openai, pytest
 from mlx_lm.sample_utils import make_logits_processors
 from prometheus_client.parser import text_string_to_metric_families
 from specnb import spec_generate, TwoModelProvider
-from specnb.models import load_pair, bundled_dir, PROBE, OPENBLAS
-from specnb.serve import running_server
+from specnb.models import load_pair, bundled_dir, PROBE
+from specnb.blas import OPENBLAS
+from specnb.harness import running_server
 
 MODEL = "specnb-bundled"
 NO_EOS = {"0": -100}   # the bundled EOS id: banning it makes a generation run to max_tokens
@@ -177,7 +178,7 @@ def test_full_queue_answers_503():
         assert httpx.get(u + "/health").json()["status"] == "ok"
 
 BAD = [  # (endpoint, body, text the error message must contain)
-    ("completions", b'{"prompt": "x", "max_tokens": 5', "not valid JSON"),
+    ("completions", b'{"prompt": "x", "max_tokens": 5', "We could not parse the JSON body of your request"),
     ("completions", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
     ("completions", {"prompt": "x", "max_tokens": -3}, "-3"),
     ("completions", {"prompt": "x", "max_tokens": 10**9}, "1000000000"),
@@ -187,7 +188,6 @@ BAD = [  # (endpoint, body, text the error message must contain)
     ("completions", {"prompt": [1, 99999]}, "99999"),
     ("completions", {"prompt": ["a", "b"]}, "one prompt per request"),
     ("completions", {"max_tokens": 5}, "prompt: field required"),
-    ("completions", {"prompt": "x", "model": "gpt-9"}, "gpt-9"),
     ("completions", {"prompt": "x", "stop": [1, 2]}, "stop"),
     ("completions", {"prompt": "x", "n": 2}, "n"),
     ("completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "'abc'"),
@@ -215,7 +215,7 @@ def test_bad_input_is_a_400_with_an_openai_error(url, endpoint, body, says):
     assert err["type"] == "invalid_request_error" and set(err) == {"message", "type", "param", "code"}
 
 def test_bad_input_through_the_client_and_server_survives(client, url):
-    with pytest.raises(openai.BadRequestError, match="not served here"):
+    with pytest.raises(openai.NotFoundError, match="not served here"):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=3)
     with pytest.raises(openai.BadRequestError, match="invalid JSON schema"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
@@ -224,6 +224,44 @@ def test_bad_input_through_the_client_and_server_survives(client, url):
     assert r.status_code == 404 and "error" in r.json()
     assert metric(url, "specnb_refused_requests_total", reason="bad_request") >= len(BAD)
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=3).usage.completion_tokens == 3
+
+@pytest.mark.parametrize("endpoint,body", [("completions", {"prompt": "x"}), ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_unknown_model_is_a_404_model_not_found(client, url, endpoint, body):
+    "OpenAI answers a model it does not have with 404 and code model_not_found; so does the server, on both endpoints."
+    before = metric(url, "specnb_refused_requests_total", reason="model_not_found")
+    r = httpx.post(f"{url}/v1/{endpoint}", json={**body, "model": "gpt-9"}, timeout=60)
+    assert r.status_code == 404, (r.status_code, r.text)
+    assert r.json() == {"error": {"message": f"model 'gpt-9' is not served here; this server serves '{MODEL}'",
+                                  "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    err = e.value.body.get("error", e.value.body)   # openai 1.x hands over the inner object, later versions the whole body
+    assert (e.value.status_code, err["code"], err["param"]) == (404, "model_not_found", "model")
+    assert metric(url, "specnb_refused_requests_total", reason="model_not_found") == before + 2
+
+@pytest.mark.parametrize("body", [b'{"prompt": "x" "max_tokens": 5}', b'{"prompt": "x", "max_tokens": 5', b'{\n  "prompt": "x",\n  "max_tokens": 5,\n}', b"prompt=x"])
+def test_malformed_json_says_where_not_a_char_offset(url, body):
+    "A body that is not JSON: the message says what broke and where, as line and column (json's own count); no param."
+    with pytest.raises(json.JSONDecodeError) as want: json.loads(body)
+    r = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["message"] == (f"We could not parse the JSON body of your request: {want.value.msg} "
+                              f"(at line {want.value.lineno} column {want.value.colno})"), err
+    assert (err["param"], err["code"], err["type"]) == (None, None, "invalid_request_error")
+
+@pytest.mark.parametrize("schema,names", [({"type": "nonsense"}, "nonsense"), ({"type": "object", "properties": 5}, "properties"),
+                                          ({"type": "string", "pattern": "(("}, "parenthesis"), ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum")])
+def test_invalid_schema_message_is_a_plain_sentence(client, schema, names):
+    "An invalid schema is refused with the compiler's sentence naming the problem, without its source path or timestamp."
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    err = e.value.body.get("error", e.value.body)
+    msg = err["message"]
+    assert msg.startswith("invalid JSON schema: ") and names in msg, msg
+    assert not re.search(r"\[\d\d:\d\d:\d\d\]|\.(cc|h|cpp)\b|/project/|\n", msg), msg
+    assert err["param"] == "response_format.json_schema.schema"
 
 def test_models_health_metrics(client, url):
     assert [m.id for m in client.models.list()] == [MODEL]
@@ -252,7 +290,7 @@ def foreign_draft(tmp_path_factory, pair):
 
 @pytest.mark.parametrize("args,says", [
     (["--draft-kind", "early-exit", "--exit-layer", "9"], "not below the target's 6 layers"),
-    (["--draft-kind", "ngram", "--draft-model", "x/y"], "takes no --draft-model"),
+    (["--draft-kind", "ngram", "--draft-model", "x/y"], "--draft-model is read only by two-model"),
     (["--draft-kind", "ngram", "--lookup-first"], "not ngram"),
     (["--draft-head", "/nonexistent/head"], "no draft head at /nonexistent/head"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
@@ -267,11 +305,17 @@ def test_bad_start_up_fails_with_one_line(args, says, foreign_draft, fast_env):
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert r.stderr.startswith("specnb: error:") and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
+def test_the_server_imports_no_http_client_and_no_cli():
+    "Talking HTTP to a server is the harness's job (`specnb.harness`), and the CLI sits above the server: importing the server loads neither."
+    code = "import sys, specnb.serve; print(sorted(m for m in ('httpx', 'specnb.harness', 'specnb.cli') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stdout.strip()) == (0, "[]"), (r.stdout, r.stderr[-2000:])
+
 @pytest.mark.parametrize("kind", ["ngram", "early-exit", "head"])
 def test_other_draft_kinds_serve_the_same_text(kind, client):
     "Every draft kind is lossless through the server, and the prompt cache works without a draft cache."
     ref = client.completions.create(model=MODEL, prompt="def read_config(path):\n    ", max_tokens=40).choices[0].text
-    with running_server("--draft-kind", kind, "--exit-layer", "3") as u:
+    with running_server("--draft-kind", kind, *(["--exit-layer", "3"] if kind == "early-exit" else [])) as u:
         c = openai.OpenAI(base_url=u + "/v1", api_key="not-needed", max_retries=0)
         assert httpx.get(u + "/health").json()["draft_kind"] == kind
         r = c.completions.create(model=MODEL, prompt="def read_config(path):\n    ", max_tokens=40)
