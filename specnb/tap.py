@@ -9,17 +9,18 @@ __all__ = ['check_tappable', 'Tap']
 
 # %% ../nbs/01a_tap.ipynb #5672840e
 import mlx.core as mx
+from fastcore.basics import patch
 
 # %% ../nbs/01a_tap.ipynb #333a9047
 class _Recorder:
     "Stands in for one decoder layer: calls it and keeps its output."
-    def __init__(self, layer, kept, index): self.layer, self.kept, self.index = layer, kept, index
+    def __init__(self, layer, recorded, index): self.layer, self.recorded, self.index = layer, recorded, index
     def __getattr__(self, name): return getattr(self.layer, name)   # the model may read a layer's attributes (`use_sliding`)
     def __call__(self, *args, **kwargs):
         h = self.layer(*args, **kwargs)
         if not isinstance(h, mx.array):
             raise TypeError(f"layer {self.index} returned {type(h).__name__}, not an array: this model's layers cannot be tapped")
-        self.kept.append(h)
+        self.recorded.append(h)
         return h
 
 def check_tappable(model, layers)->list:
@@ -40,19 +41,37 @@ class Tap:
     def __init__(self, model, layers):
         self.layers = check_tappable(model, layers)
         self.blocks = model.model.layers
-        self.kept = {i: [] for i in self.layers}
+        self.recorded = {i: [] for i in self.layers}
+        self.held = None   # rows recorded before a `trim`, the positions the target kept: (batch, tokens, features)
 
     def __enter__(self):
         if any(isinstance(b, _Recorder) for b in self.blocks): raise RuntimeError("this model is already being tapped")
         self.real = list(self.blocks)
-        for i in self.layers: self.blocks[i] = _Recorder(self.real[i], self.kept[i], i)
+        for i in self.layers: self.blocks[i] = _Recorder(self.real[i], self.recorded[i], i)
         return self
 
     def __exit__(self, *exc): self.blocks[:] = self.real   # the real layers back, whatever happened
 
+    def _collect(self)->mx.array|None:
+        "The rows held and those recorded since, as one `(batch, tokens, features)` array (None if none); hands them over."
+        rows = self.held
+        if self.recorded[self.layers[0]]:
+            new = mx.concatenate([mx.concatenate(self.recorded[i], axis=1) for i in self.layers], axis=-1)
+            rows = new if rows is None else mx.concatenate([rows, new], axis=1)
+            for v in self.recorded.values(): v.clear()
+        self.held = None
+        return rows
+
     def take(self, batch:bool=False)->mx.array|None:
         "Everything recorded since the last `take` (lazy), shape `(tokens, len(layers) * hidden)` — `(batch, tokens, …)` with `batch=True`; None if nothing was."
-        if not self.kept[self.layers[0]]: return None
-        rows = mx.concatenate([mx.concatenate(self.kept[i], axis=1) for i in self.layers], axis=-1)
-        for v in self.kept.values(): v.clear()
-        return rows if batch else rows[0]
+        rows = self._collect()
+        return rows if batch or rows is None else rows[0]
+
+# %% ../nbs/01a_tap.ipynb #97a0d023
+@patch
+def trim(self:Tap, n:int):
+    "The target gave back its last `n` positions (a rollback): forget their rows; the next `take` hands over the rest."
+    rows = self._collect()
+    count = 0 if rows is None else rows.shape[1]
+    if not 0 <= n <= count: raise ValueError(f"cannot trim {n} rows: the tap holds {count} (0..{count} can be trimmed)")
+    self.held = rows[:, :count - n] if n < count else None

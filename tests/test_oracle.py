@@ -1,10 +1,9 @@
-"""The correctness gates of the executor against its oracles, over more cases than the notebook runs:
+"""The correctness gates of the executor against its oracles (`specnb.oracle`), over more cases than the notebooks run:
 mlx-lm's `speculative_generate_step` and plain greedy decoding."""
 import random
-import mlx.core as mx
 import pytest
 from specnb import spec_generate, generate, TwoModelProvider
-from specnb.executor import mlx_lm_spec_tokens
+from specnb.oracle import mlx_lm_tokens, mlx_lm_spec_tokens, first_diff, near_tie
 from specnb.models import random_model, perturbed, load_pair
 
 SEEDS, PROMPT_LENS, GAMMAS = (0, 1, 2, 3), (1, 2, 7, 600), (1, 2, 3, 5)
@@ -23,18 +22,12 @@ def test_random_models_match_mlx_lm_and_plain(seed, plen):
     rng = random.Random(1000 * seed + plen)
     prompt = [rng.randrange(128) for _ in range(plen)]
     plain = generate(target, prompt, max_tokens=32).tokens
+    assert plain == mlx_lm_tokens(target, prompt, 32), (seed, plen)
     for g in GAMMAS:
         ours = spec_generate(target, TwoModelProvider(draft), prompt, num_draft_tokens=g, max_tokens=32, prefill_step_size=512)
         assert ours.tokens == mlx_lm_spec_tokens(target, draft, prompt, g, 32, 512), (seed, plen, g)
         assert ours.tokens == plain, (seed, plen, g)
         assert ours.stats.drafted > 0
-
-def _first_diff(a, b): return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-
-def _near_tie(model, context, eps=1e-3):
-    "Is the target's next-token choice after `context` a near tie (top-2 logits within `eps`)?"
-    top2 = mx.sort(model(mx.array([context]))[0, -1])[-2:]
-    return (top2[1] - top2[0]).item() < eps
 
 BUNDLED_PROMPTS = ["import os\nimport sys\n\n", "def __init__(self, ", "class Queue:\n    \"\"\"", "    for i in range(len(",
                    "# Copyright (C) 2001 Python Software Foundation\n", "if __name__ == '__main__':\n    "]
@@ -47,9 +40,9 @@ def test_bundled_pair_matches_mlx_lm(text):
     for g in GAMMAS:
         ours = spec_generate(p.target, TwoModelProvider(p.draft), prompt, num_draft_tokens=g, max_tokens=48, prefill_step_size=512)
         assert ours.tokens == mlx_lm_spec_tokens(p.target, p.draft, prompt, g, 48, 512), (text, g)
-        i = _first_diff(ours.tokens, plain)
+        i = first_diff(ours.tokens, plain)
         # plain greedy reads one token per forward, a verify window several: only a near tie may differ
-        assert i is None or _near_tie(p.target, prompt + plain[:i]), (text, g, i)
+        assert i is None or near_tie(p.target, prompt + plain[:i]), (text, g, i)
 
 def test_sliding_window_targets_match_plain():
     for seed in range(4):
@@ -74,5 +67,5 @@ def test_every_source_on_the_bundled_pair_matches_plain():
         for name, make in providers.items():
             for g in (2, 5):
                 ours = spec_generate(p.target, make(), prompt, num_draft_tokens=g, max_tokens=40).tokens
-                i = _first_diff(ours, plain)
-                assert i is None or _near_tie(p.target, prompt + plain[:i]), (text, name, g, i)
+                i = first_diff(ours, plain)
+                assert i is None or near_tie(p.target, prompt + plain[:i]), (text, name, g, i)
