@@ -12,7 +12,7 @@ import html, time
 import ipywidgets as widgets
 from IPython.display import HTML, display
 from .executor import spec_stream
-from .cli import DecodedText
+from .detok import DecodedText
 
 # %% ../nbs/10_widget.ipynb #a0d16008
 ORIGINS = ("accepted", "correction", "bonus", "plain")

@@ -3,12 +3,9 @@ tokens and a consistent cache — and a follow-up turn on the saved target and d
 import mlx.core as mx
 from hypothesis import assume, given, settings, strategies as st, HealthCheck
 from mlx_lm.models.cache import make_prompt_cache
-from specnb import spec_generate, generate, TwoModelProvider, Sampling
-from specnb.sources.ngram import NgramProvider
-from specnb.sources.early_exit import EarlyExitProvider
-from specnb.sources.adaptive import AdaptiveProvider
-from specnb.sources.lookup_first import LookupFirstProvider
-from specnb.sources.head import HeadProvider, random_head
+from specnb import spec_generate, generate, Sampling
+from specnb.sources.registry import KINDS, make_provider
+from specnb.sources.head import load_head, random_head
 from specnb.models import random_model, perturbed
 
 _cache = {}
@@ -22,14 +19,22 @@ def models(seed, window, noise):
 def head_for(target, seed):
     "An untrained draft head on layers 0 and 1 of a random target (drafts mostly rejected; the trained one is tested below); odd seeds draft from 40 random tokens only."
     key = ("head", seed)
-    if key not in _cache: _cache[key] = HeadProvider(random_head(target, [0, 1], seed=seed, hidden_size=32, intermediate_size=64, draft_vocab=40 * (seed % 2)))
+    if key not in _cache: _cache[key] = random_head(target, [0, 1], seed=seed, hidden_size=32, intermediate_size=64, draft_vocab=40 * (seed % 2))
     return _cache[key]
+
+def provider(kind, target, draft, seed, adaptive=False, gamma=3, **ngram):
+    "The registry's provider of draft kind `kind` on random models: `draft` for the two-model kinds, an untrained head, early exit at layer 1."
+    k = KINDS[kind]
+    head = head_for(target, seed) if "draft_head" in k.reads else None
+    return make_provider(kind, draft if k.needs_draft else None, adaptive=adaptive, num_draft_tokens=gamma, **k.pick(exit_layer=1, draft_head=head, **ngram))
+
+MODEL_KINDS = ["two-model", "ngram", "early-exit", "head", "two-model+lookup", "head+lookup"]   # registry names
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 3), window=st.sampled_from([None, 16]), noise=st.sampled_from([0.0, 0.03, 0.1, 1.0]),
        prompt=st.lists(st.integers(0, 127), min_size=1, max_size=24), gamma=st.integers(1, 6),
        max_tokens=st.integers(1, 30), halt=st.one_of(st.none(), st.integers(1, 30)), eos=st.one_of(st.none(), st.integers(0, 127)),
-       source=st.sampled_from(["two-model", "ngram", "early-exit", "adaptive", "head", "lookup+two-model", "lookup+head"]), ngram=st.tuples(st.integers(1, 2), st.integers(0, 3)),
+       source=st.sampled_from([(k, False) for k in MODEL_KINDS] + [("two-model", True)]), ngram=st.tuples(st.integers(1, 2), st.integers(0, 3)),
        follow=st.lists(st.integers(0, 127), min_size=1, max_size=6))
 def test_spec_equals_plain(seed, window, noise, prompt, gamma, max_tokens, halt, eos, source, ngram, follow):
     target, draft = models(seed, window, noise)
@@ -39,14 +44,9 @@ def test_spec_equals_plain(seed, window, noise, prompt, gamma, max_tokens, halt,
     def on_token(t):
         seen.append(t)
         return halt is None or len(seen) < halt
-    assume(not (source == "early-exit" and window))   # early exit reads plain KVCache layers only
-    make = lambda: {"two-model": lambda: TwoModelProvider(draft),
-                "ngram": lambda: NgramProvider(min_ngram=ngram[0], max_ngram=ngram[0] + ngram[1]),
-                "early-exit": lambda: EarlyExitProvider(1),
-                "adaptive": lambda: AdaptiveProvider(TwoModelProvider(draft), start=min(2, gamma)),
-                "head": lambda: head_for(target, seed),
-                "lookup+two-model": lambda: LookupFirstProvider(TwoModelProvider(draft), min_ngram=ngram[0], max_ngram=ngram[0] + ngram[1]),
-                "lookup+head": lambda: LookupFirstProvider(head_for(target, seed), min_ngram=ngram[0], max_ngram=ngram[0] + ngram[1])}[source]()
+    kind, adaptive = source   # adaptive: draft length adapted per round
+    assume(not (kind == "early-exit" and window))   # early exit reads plain KVCache layers only
+    make = lambda: provider(kind, target, draft, seed, adaptive, gamma, ngram_min=ngram[0], ngram_max=ngram[0] + ngram[1])
     res = spec_generate(target, make(), prompt, num_draft_tokens=gamma, max_tokens=max_tokens,
                         eos_token_ids=eos_ids, prompt_cache=cache, on_token=on_token)
     expected = plain.tokens if halt is None else plain.tokens[:halt]
@@ -72,23 +72,20 @@ def test_spec_equals_plain(seed, window, noise, prompt, gamma, max_tokens, halt,
 @given(seed=st.integers(0, 3), window=st.sampled_from([None, 16]), prompt=st.lists(st.integers(0, 127), min_size=1, max_size=24),
        gamma=st.integers(1, 6), max_tokens=st.integers(1, 30), halt=st.one_of(st.none(), st.integers(1, 30)),
        eos=st.one_of(st.none(), st.integers(0, 127)), rule=st.sampled_from(["match", "rejection"]),
-       source=st.sampled_from(["two-model", "ngram", "early-exit", "head", "lookup+two-model", "lookup+head"]), temp=st.sampled_from([0.5, 1.0, 1.5]),
+       source=st.sampled_from(MODEL_KINDS), temp=st.sampled_from([0.5, 1.0, 1.5]),
        top_p=st.sampled_from([0.0, 0.9]), top_k=st.sampled_from([0, 5]), draw=st.integers(0, 2**16))
 def test_sampled_rounds_keep_the_invariant(seed, window, prompt, gamma, max_tokens, halt, eos, rule, source, temp, top_p, top_k, draw):
     "Sampling under either rule: exact max_tokens and halting, no EOS emitted, a cache holding prompt + fed, consistent stats, reproducible."
     assume(not (source == "early-exit" and window))
     target, draft = models(seed, window, 0.1)
-    make = {"two-model": lambda: TwoModelProvider(draft), "ngram": lambda: NgramProvider(), "early-exit": lambda: EarlyExitProvider(1),
-            "head": lambda: head_for(target, seed), "lookup+two-model": lambda: LookupFirstProvider(TwoModelProvider(draft), min_ngram=1),
-            "lookup+head": lambda: LookupFirstProvider(head_for(target, seed), min_ngram=2)}[source]
-    provider = make()   # before seeding: making a random head draws from the generator too
+    made = provider(source, target, draft, seed, ngram_min=2 if source == "head+lookup" else 1)   # before seeding: a random head draws from the generator too
     def run():
         mx.random.seed(draw)
         cache, seen = make_prompt_cache(target), []
         def on_token(t):
             seen.append(t)
             return halt is None or len(seen) < halt
-        r = spec_generate(target, provider, prompt, num_draft_tokens=gamma, max_tokens=max_tokens, eos_token_ids=[] if eos is None else [eos],
+        r = spec_generate(target, made, prompt, num_draft_tokens=gamma, max_tokens=max_tokens, eos_token_ids=[] if eos is None else [eos],
                           sampler=Sampling(temp=temp, top_p=top_p, top_k=top_k), acceptance=rule, prompt_cache=cache, on_token=on_token)
         return r, cache, seen
     res, cache, seen = run()
@@ -109,7 +106,7 @@ def bundled_head():
         from specnb.models import bundled_dir
         target, tok = mlx_lm.load(str(bundled_dir("target")))
         text = Path(copy.__file__).read_text()   # a file held out from the target's and the head's training
-        _bundled.update(target=target, head=HeadProvider(), ids=tok.encode(text), eos=list(tok.eos_token_ids))
+        _bundled.update(target=target, head=load_head(), ids=tok.encode(text), eos=list(tok.eos_token_ids))
     return _bundled
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -118,14 +115,14 @@ def bundled_head():
 def test_trained_head_equals_plain(start, plen, gamma, max_tokens, halt, follow, lookup):
     "The shipped head on the bundled target (alone, or behind prompt lookup), where most drafts are accepted: plain greedy's tokens, the cache invariant, a follow-up turn."
     b = bundled_head()
-    provider = LookupFirstProvider(b["head"]) if lookup else b["head"]
     target, prompt, eos = b["target"], b["ids"][start:start + plen], b["eos"]
+    made = make_provider("head+lookup" if lookup else "head", target=target, draft_head=b["head"])
     plain = generate(target, prompt, max_tokens=max_tokens, eos_token_ids=eos)
     cache, seen = make_prompt_cache(target), []
     def on_token(t):
         seen.append(t)
         return halt is None or len(seen) < halt
-    res = spec_generate(target, provider, prompt, num_draft_tokens=gamma, max_tokens=max_tokens, eos_token_ids=eos, prompt_cache=cache, on_token=on_token)
+    res = spec_generate(target, made, prompt, num_draft_tokens=gamma, max_tokens=max_tokens, eos_token_ids=eos, prompt_cache=cache, on_token=on_token)
     assert res.tokens == (plain.tokens if halt is None else plain.tokens[:halt]) == seen
     assert all(c.offset == len(prompt) + res.fed for c in cache)
     s = res.stats
@@ -133,6 +130,6 @@ def test_trained_head_equals_plain(start, plen, gamma, max_tokens, halt, follow,
     held = prompt + res.tokens[:res.fed]
     new = res.tokens[res.fed:] + b["ids"][start + plen:start + plen + follow]
     assert [c.offset + (c.row is not None) for c in res.draft_cache] == [len(held)]
-    again = spec_generate(target, provider, new, num_draft_tokens=gamma, max_tokens=8, eos_token_ids=eos, prompt_cache=cache, cached_tokens=held,
+    again = spec_generate(target, made, new, num_draft_tokens=gamma, max_tokens=8, eos_token_ids=eos, prompt_cache=cache, cached_tokens=held,
                           draft_cache=res.draft_cache)
     assert again.tokens == generate(target, held + new, max_tokens=8, eos_token_ids=eos).tokens

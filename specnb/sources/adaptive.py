@@ -23,12 +23,12 @@ class AdaptiveSource:
         self.asked = min(n, self.gamma)
         self.rounds.append((self.gamma, self.asked))
         return self.inner.draft(feed, self.asked, step, anchor_hidden)
-    def commit(self, d, k, ctx=None):
-        self.inner.commit(d, k, ctx)
+    def commit(self, d, k):
+        self.inner.commit(d, k)
         if self.asked == 0: return
         all_kept = k == d == self.asked
         self.gamma = min(self.gamma + self.up, self.ceiling) if all_kept else max(self.lo, self.gamma - self.down)
-    def save(self, held, **kw): return self.inner.save(held, **kw)   # a tapped source also takes its unread rows
+    def save(self, held, anchor_hidden=None): return self.inner.save(held, anchor_hidden)   # a tapped source also takes its unread rows
     def draft_logprobs(self): return self.inner.draft_logprobs()
     def close(self): self.inner.close()
 

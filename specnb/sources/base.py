@@ -6,11 +6,13 @@ Docs: https://specnb.github.io/specnb/sources.html.md"""
 
 # %% auto #0
 __all__ = ['TargetView', 'DraftSource', 'DraftProvider', 'fork_grammar', 'output_layer', 'output_head', 'draft_distribution',
-           'NoDraft']
+           'draft_tokens', 'NoDraft', 'protocol_mismatches']
 
 # %% ../../nbs/05_sources.ipynb #21338cac
+import inspect
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+from ..accept import sample_positions
 import mlx.core as mx
 
 # %% ../../nbs/05_sources.ipynb #6c2c0f12
@@ -22,13 +24,13 @@ class TargetView:
 
 @runtime_checkable
 class DraftSource(Protocol):
-    "A per-request drafter (see the contract above)."
+    "A per-request drafter: exactly the calls the executor makes (see the contract above)."
     tap_layers: list | None
-    def prefill(self, prompt_ids:list, ctx=None): ...
-    def draft(self, feed:list, n:int, step:int, anchor_hidden:mx.array|None=None)->list|mx.array: ...
-    def commit(self, d:int, k:int, ctx=None): ...
-    def save(self, held:list)->list: ...
+    def prefill(self, prompt_ids:list, ctx:list|None=None): ...
+    def draft(self, feed:list, n:int, step:int=0, anchor_hidden:mx.array|None=None)->list|mx.array: ...
     def draft_logprobs(self)->mx.array|None: ...
+    def commit(self, d:int, k:int): ...
+    def save(self, held:list, anchor_hidden:mx.array|None=None)->list: ...
     def close(self): ...
 
 @runtime_checkable
@@ -57,14 +59,51 @@ def draft_distribution(logits:list, sampler)->mx.array|None:
     lg = mx.concatenate(logits)
     return sampler.logprobs(lg - mx.logsumexp(lg, axis=-1, keepdims=True))
 
+# %% ../../nbs/05_sources.ipynb #b55a8ae3
+def draft_tokens(next_logits,    # next_logits(y): `(1, V)` logits of the next position after the token `y` just drafted (None: the first)
+                 n:int,          # the most tokens to propose
+                 sampler=None,   # the request's sampler (None: greedy)
+                 grammar=None,   # the request's grammar: the loop walks a fork of it
+                 confident=None, # confident(logits): False stops before sampling (a draft model's `p_min`)
+                )->tuple:
+    "The loop every stepping drafter shares: `(tokens, logits)`, up to `n` `(1,)` token ids and the masked logits each was sampled from."
+    g, y, tokens, logits_seen = fork_grammar(grammar), None, [], []
+    for _ in range(n):
+        logits = next_logits(y)
+        if g is not None: logits = g.mask(logits)
+        if confident is not None and not confident(logits): break
+        y = sample_positions(logits, sampler)
+        if g is not None: g.advance(y.item())   # the fork needs the token before it can mask the next position
+        else: mx.async_eval(y)                  # computed while the next position's graph is built
+        tokens.append(y); logits_seen.append(logits)
+        if g is not None and g.terminated: break   # only a stop token could follow
+    return tokens, logits_seen
+
 # %% ../../nbs/05_sources.ipynb #cad07ba4
 class NoDraft:
     "A provider whose sources never propose a token (every round is one plain target step)."
     tap_layers = None
     def open(self, sampler=None, logits_processors=None, target=None, prefill_step_size=2048, grammar=None): return self
     def prefill(self, prompt_ids, ctx=None): pass
-    def draft(self, feed, n, step, anchor_hidden=None): return []
-    def commit(self, d, k, ctx=None): pass
-    def save(self, held): return []
+    def draft(self, feed, n, step=0, anchor_hidden=None): return []
+    def commit(self, d, k): pass
+    def save(self, held, anchor_hidden=None): return []
     def draft_logprobs(self): return None
     def close(self): pass
+
+# %% ../../nbs/05_sources.ipynb #f544461b
+def _plain_signature(f, drop_self=False)->inspect.Signature:
+    "`f`'s signature without annotations (and without `self` for a function read off a class)."
+    sig = inspect.signature(f)
+    ps = list(sig.parameters.values())[1 if drop_self else 0:]
+    return sig.replace(parameters=[p.replace(annotation=p.empty) for p in ps], return_annotation=sig.empty)
+
+def protocol_mismatches(obj, protocol=DraftSource)->list:
+    "How `obj` differs from `protocol`: a missing attribute, or a method whose parameters (names, kinds, defaults) are not the protocol's; [] if none."
+    out = [f"no attribute {a!r}" for a in getattr(protocol, "__annotations__", {}) if not hasattr(obj, a)]
+    for name, f in vars(protocol).items():
+        if name.startswith("_") or not inspect.isfunction(f): continue
+        want, have = _plain_signature(f, drop_self=True), getattr(obj, name, None)
+        if have is None: out.append(f"no method {name}{want}")
+        elif _plain_signature(have) != want: out.append(f"{name}{_plain_signature(have)} should be {name}{want}")
+    return out

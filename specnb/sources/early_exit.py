@@ -11,8 +11,7 @@ __all__ = ['EarlyExitSource', 'EarlyExitProvider']
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
-from ..accept import sample_positions
-from .base import TargetView, draft_distribution, fork_grammar, output_head
+from .base import TargetView, draft_distribution, draft_tokens, output_head
 
 # %% ../../nbs/05d_early_exit.ipynb #2d10cdc2
 class EarlyExitSource:
@@ -27,31 +26,27 @@ class EarlyExitSource:
 
     def prefill(self, prompt_ids, ctx=None): pass   # the target's prefill already wrote the KV these layers need
 
+    def _logits(self, y):
+        "`(1, V)` logits of the next position after the token `y`, through the first layers on the target's caches."
+        h = self.embed(y[None])
+        mask = create_attention_mask(h, self.cache[0])
+        for layer, c in zip(self.layers, self.cache): h = layer(h, mask, cache=c)
+        return self.head(self.norm(h[:, -1]))
+
     def draft(self, feed, n, step=0, anchor_hidden=None):
         self.logits = []
         if n == 0: return []
-        start = [c.offset for c in self.cache]
-        y, out, g = mx.array([feed[-1:]], mx.uint32), [], fork_grammar(self.grammar)
-        for _ in range(n):
-            h = self.embed(y)
-            mask = create_attention_mask(h, self.cache[0])
-            for layer, c in zip(self.layers, self.cache): h = layer(h, mask, cache=c)
-            logits = self.head(self.norm(h[:, -1]))
-            if g is not None: logits = g.mask(logits)
-            y = sample_positions(logits, self.sampler)[None]
-            if g is not None: g.advance(y.item())   # the fork needs the token before it can mask the next position
-            else: mx.async_eval(y)
-            out.append(y); self.logits.append(logits)
-            if g is not None and g.terminated: break
+        start, last = [c.offset for c in self.cache], mx.array(feed[-1:], mx.uint32)
+        out, self.logits = draft_tokens(lambda y: self._logits(last if y is None else y), n, self.sampler, self.grammar)
         for c, o in zip(self.cache, start): c.trim(c.offset - o)   # give the target its caches back as they were
-        return mx.concatenate(out, axis=1)[0]   # lazy: the verify forward overwrites those positions afterwards
+        return mx.concatenate(out)   # lazy: the verify forward overwrites those positions afterwards
 
-    def commit(self, d, k, ctx=None): pass   # nothing of its own to roll back
+    def commit(self, d, k): pass   # nothing of its own to roll back
     def draft_logprobs(self):
         "The distributions the last drafts were sampled from (lazy), for the rejection rule."
         return draft_distribution(self.logits, self.sampler)
 
-    def save(self, held): return []   # its caches are the target's
+    def save(self, held, anchor_hidden=None): return []   # its caches are the target's
     def close(self): self.cache = None
 
 # %% ../../nbs/05d_early_exit.ipynb #d2892fd8

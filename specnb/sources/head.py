@@ -17,9 +17,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from ..models import bundled_dir
-from ..accept import sample_positions
 from ..tap import check_tappable
-from .base import TargetView, draft_distribution, fork_grammar, output_head, output_layer
+from .base import TargetView, draft_distribution, draft_tokens, output_head, output_layer
 
 # %% ../../nbs/05e_head.ipynb #82af87f1
 @dataclass
@@ -127,7 +126,7 @@ class HeadSource:
         self.tap_layers = head.cfg.tap_layers
         self.embed = target.model.model.embed_tokens
         self.rows = head.vocab_rows(target.model)
-        self.cache, self.tokens, self.last, self.out, self.logits, self.skipped = HeadCache(), [], None, [], [], None
+        self.cache, self.tokens, self.last, self.newest, self.out, self.logits, self.skipped = HeadCache(), [], None, None, [], [], None
 
     def prefill(self, prompt_ids, ctx=None):
         "Note the prompt (its rows come with the first draft); `ctx`: a saved `HeadCache` holding the context before it."
@@ -161,26 +160,24 @@ class HeadSource:
         full[..., self.head.d2t] = logits
         return full
 
+    def _step(self, y):
+        "`(1, V)` logits of the next draft position: a head step on the token `y` just drafted (None: the first position, read from `last`)."
+        if y is None: self.newest = self.last
+        else: self.newest = self.head(self.newest, self.embed(y[None]), cache=self.cache)   # a speculative entry, on the head's own output
+        return self.readout(self.newest[:, -1])
+
     def draft(self, feed, n, step=0, anchor_hidden=None):
         self.tokens += [int(t) for t in feed]
         self.last = self._read(anchor_hidden, self.tokens)
         self._check_lockstep()
         self.out, self.logits = [], []
         if n == 0 or self.last is None: return []   # nothing read yet: a plain round
-        a, start, g = self.last, self.cache.offset, fork_grammar(self.grammar)
-        for i in range(n):
-            logits = self.readout(a[:, -1])
-            if g is not None: logits = g.mask(logits)
-            y = sample_positions(logits, self.sampler)
-            if g is not None: g.advance(y.item())   # the fork needs the token before it can mask the next position
-            else: mx.async_eval(y)
-            self.out.append(y); self.logits.append(logits)
-            if i + 1 == n or (g is not None and g.terminated): break
-            a = self.head(a, self.embed(y[None]), cache=self.cache)   # a speculative entry, on the head's own output
+        start = self.cache.offset
+        self.out, self.logits = draft_tokens(self._step, n, self.sampler, self.grammar)
         self.cache.trim(self.cache.offset - start)   # speculative entries out: the kept rows come next round
         return mx.concatenate(self.out)   # lazy: evaluated together with the verify forward
 
-    def commit(self, d, k, ctx=None):
+    def commit(self, d, k):
         # the accepted drafts join the context; the last one, if all were kept, comes back in the feed
         if min(k, d - 1) > 0: self.tokens += mx.concatenate(self.out[: min(k, d - 1)]).tolist()
 

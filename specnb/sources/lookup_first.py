@@ -33,18 +33,18 @@ class LookupFirstSource:
         self.drafts = found if found else self.inner.draft(inner_feed, n, step, anchor_hidden)
         return self.drafts
 
-    def commit(self, d, k, ctx=None):
+    def commit(self, d, k):
         # the accepted drafts, less the last one if all were kept (it comes back in the next feed, to both)
         kept = (self.drafts if isinstance(self.drafts, list) else self.drafts.tolist())[:min(k, d - 1)] if d else []
         if self.by_lookup:
             self.lookup.commit(d, k)
-            self.inner.commit(0, 0, ctx)
+            self.inner.commit(0, 0)
             self.behind = [int(t) for t in kept]   # never in the inner source's context: it reads them next round
         else:
-            self.inner.commit(d, k, ctx)
+            self.inner.commit(d, k)
             self.lookup.extend(kept)
 
-    def save(self, held, **kw): return self.inner.save(held, **kw)   # a saved context is the inner source's; lookup rebuilds from the prompt
+    def save(self, held, anchor_hidden=None): return self.inner.save(held, anchor_hidden)   # a saved context is the inner source's; lookup rebuilds from the prompt
     def draft_logprobs(self): return None if self.by_lookup else self.inner.draft_logprobs()   # None: exact match this round
     def close(self): self.inner.close(); self.lookup.close()
 

@@ -45,10 +45,10 @@ class NgramSource:
         self.last = self.lookup(n) if n > 0 else []
         return list(self.last)
 
-    def commit(self, d, k, ctx=None):
+    def commit(self, d, k):
         self.extend(self.last[: min(k, d - 1)])  # the last kept draft (if all were kept) comes back in the feed
 
-    def save(self, held): return []   # nothing worth keeping: prefill rebuilds the index from the prompt
+    def save(self, held, anchor_hidden=None): return []   # nothing worth keeping: prefill rebuilds the index from the prompt
     def draft_logprobs(self): return None   # a lookup has no distribution: the round falls back to exact match
     def close(self): self.history, self.index, self.last = [], {}, []
 

@@ -12,9 +12,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from ..models import check_vocab
 from ..prefill import prefill_drain
-from ..accept import sample_positions
 from ..rollback import rollback
-from .base import TargetView, draft_distribution, fork_grammar
+from .base import TargetView, draft_distribution, draft_tokens
 
 # %% ../../nbs/05a_two_model.ipynb #4462334a
 class TwoModelSource:
@@ -34,31 +33,31 @@ class TwoModelSource:
         prefill_drain(self.model, self.cache, prompt_ids[held:-1], self.step_size)
         if self.procs: self.history = mx.array(prompt_ids[:-1], mx.uint32)
 
+    def _logits(self, y):
+        "The draft's `(1, V)` logits after reading the tokens `y`, through the logits processors."
+        logits = self.model(y[None], cache=self.cache)[:, -1]
+        if self.procs:
+            self.history = mx.concatenate([self.history, y])
+            for p in self.procs: logits = p(self.history, logits)
+        return logits
+
+    def _confident(self, logits)->bool:
+        "Is the draft's top probability at least `p_min`? (A host sync per step: only with `p_min` set.)"
+        return mx.softmax(logits, axis=-1).max().item() >= self.p_min
+
     def draft(self, feed, n, step=0, anchor_hidden=None):
         "Read `feed`, then propose `n` tokens by plain decoding."
-        y, out, self.logits = mx.array(feed, mx.uint32), [], []
+        feed, self.logits = mx.array(feed, mx.uint32), []
         if n == 0:  # still read the feed: the next round's feed assumes it
-            self.model(y[None], cache=self.cache)
+            self.model(feed[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
-            if self.procs: self.history = mx.concatenate([self.history, y])
+            if self.procs: self.history = mx.concatenate([self.history, feed])
             return []
-        g = fork_grammar(self.grammar)
-        for _ in range(n):
-            logits = self.model(y[None], cache=self.cache)[:, -1]
-            if self.procs:
-                self.history = mx.concatenate([self.history, y])
-                for p in self.procs: logits = p(self.history, logits)
-            if g is not None: logits = g.mask(logits)
-            if self.p_min is not None and mx.softmax(logits, axis=-1).max().item() < self.p_min:
-                break   # not confident: propose nothing more (and pay a host sync per step)
-            y = sample_positions(logits, self.sampler)
-            if g is not None: g.advance(y.item())   # the fork needs the token before it can mask the next position
-            else: mx.async_eval(y)
-            out.append(y); self.logits.append(logits)
-            if g is not None and g.terminated: break   # only a stop token could follow
+        out, self.logits = draft_tokens(lambda y: self._logits(feed if y is None else y), n, self.sampler, self.grammar,
+                                        self._confident if self.p_min is not None else None)
         return mx.concatenate(out) if out else []   # lazy: evaluated together with the verify forward
 
-    def commit(self, d, k, ctx=None):
+    def commit(self, d, k):
         "The target kept `k` of `d` drafts: forget the rest (the last draft was never read)."
         r = max(d - k - 1, 0)
         rollback(self.cache, r)
@@ -68,7 +67,7 @@ class TwoModelSource:
         "The distributions the last drafts were sampled from, lazily: nothing is computed unless the rejection rule reads them."
         return draft_distribution(self.logits, self.sampler)
 
-    def save(self, held):
+    def save(self, held, anchor_hidden=None):
         "Hand over the draft's cache holding exactly `held`: trim what the target rejected, read the one draft never read."
         have, cache = self.cache[0].offset, self.cache
         if have > len(held): rollback(cache, have - len(held))
