@@ -20,6 +20,7 @@ from .prefill import prefill_drain
 from .verify import verify_forward
 from .accept import accept_walk, sample_one
 from .rollback import can_take, check_rollbackable, rollback
+from .recurrent import spec_cache
 from .sources.base import TargetView
 from .tap import Tap
 
@@ -142,10 +143,15 @@ class _Request:
         return True
 
 # %% ../nbs/07_executor.ipynb #ea96fca6
+def _target_cache(model, provider, o:SimpleNamespace)->list:
+    "The target's caches: ones speculation can roll back (sliding windows with slack, recurrent state), or mlx-lm's own for plain decoding."
+    if provider is None: return make_prompt_cache(model) if o.prompt_cache is None else o.prompt_cache
+    return spec_cache(model, o.num_draft_tokens + 1, o.prompt_cache)   # a caller's prompt cache is converted in place
+
 def _open(model, provider, prompt, res:SpecResult, o:SimpleNamespace)->_Request:
     "A request ready to prefill: the options checked, the target's cache, the source opened (and its tap)."
     prompt = _check_args(prompt, o.num_draft_tokens, o.max_tokens, o.acceptance, o.sampler)
-    cache = make_prompt_cache(model) if o.prompt_cache is None else o.prompt_cache
+    cache = _target_cache(model, provider, o)
     full = list(o.cached_tokens or ()) + prompt
     eos = set(o.eos_token_ids or ()) | set(getattr(o.grammar, "stop_token_ids", ()))
     # greedy: p and q are point masses and both rules are exact match

@@ -24,7 +24,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, CONTENT_TYPE_LATEST
-from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+from .rollback import can_rollback, rollback
 from mlx_lm.sample_utils import make_logits_processors
 from .accept import Sampling
 from .executor import spec_stream, spec_generate
@@ -59,8 +60,8 @@ class PromptCache:
         cache, rest = self.lru.fetch_nearest_cache(space, list(tokens)) if self.lru is not None else (None, tokens)
         if cache is None: return None, None, 0
         if not rest:   # an exact hit: the last token must still be fed to produce the first logits
-            if not can_trim_prompt_cache(cache): return None, None, 0
-            trim_prompt_cache(cache, 1); rest = tokens[-1:]
+            if not can_rollback(cache, 1): return None, None, 0   # mlx-lm's can_trim_prompt_cache says no to a wrapped ring
+            rollback(cache, 1); rest = tokens[-1:]
         return cache[:self.n_target], cache[self.n_target:], len(tokens) - len(rest)
 
     def insert(self, space:str, tokens:list, target_cache:list, draft_cache:list):
@@ -222,7 +223,7 @@ class Engine:
         speculate = self.provider is not None and job.num_draft_tokens > 0
         space = "spec" if speculate else "plain"
         target_cache, draft_cache, n_cached = self.cache.fetch(space, job.prompt)
-        if target_cache is None: target_cache = make_prompt_cache(self.model)
+        if target_cache is None: target_cache = make_prompt_cache(self.model)   # the executor makes it one speculation can roll back
         if job.seed is not None: mx.random.seed(job.seed)
         stream = spec_stream(self.model, self.provider if speculate else None, job.prompt[n_cached:],
                              num_draft_tokens=max(job.num_draft_tokens, 1), max_tokens=job.max_tokens,

@@ -54,7 +54,7 @@ def test_sliding_window_targets_match_plain():
             for g in (1, 3, 5):
                 ours = spec_generate(target, TwoModelProvider(draft), prompt, num_draft_tokens=g, max_tokens=40)
                 assert ours.tokens == plain, (seed, plen, g)
-                assert ours.stats.fallback_at is not None
+                assert ours.stats.fallback_at is None and ours.stats.rounds > 0   # speculation past the window (04a)
 
 def test_every_source_on_the_bundled_pair_matches_plain():
     from specnb import NgramProvider, EarlyExitProvider, AdaptiveProvider

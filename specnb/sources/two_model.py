@@ -9,26 +9,30 @@ __all__ = ['TwoModelSource', 'check_p_min', 'TwoModelProvider']
 
 # %% ../../nbs/05a_two_model.ipynb #4b53dd23
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 from ..models import check_vocab
 from ..prefill import prefill_drain
-from ..rollback import rollback
+from ..rollback import _leaves, can_take, rollback
+from ..recurrent import spec_cache
 from .base import TargetView, draft_distribution, draft_tokens
 
 # %% ../../nbs/05a_two_model.ipynb #4462334a
+def _held(cache)->int:
+    "How many tokens the caches hold (the first leaf's offset; a `CacheList` has none of its own)."
+    return next(_leaves(cache)).offset
+
 class TwoModelSource:
     "Per-request state of a two-model drafter: the draft's cache and, with logits processors, its token history."
     tap_layers = None
 
     def __init__(self, model, sampler=None, logits_processors=None, prefill_step_size=2048, p_min=None, grammar=None):
         self.model, self.sampler, self.procs, self.step_size, self.grammar = model, sampler, logits_processors or None, prefill_step_size, grammar
-        self.p_min, self.cache, self.history, self.logits = p_min, make_prompt_cache(model), None, []
+        self.p_min, self.cache, self.history, self.logits = p_min, spec_cache(model, 2), None, []   # sliding windows and recurrent state roll back
 
     def prefill(self, prompt_ids, ctx=None):
         "Read the prompt, all but its last token (the first `feed`); `ctx`: saved caches already holding a prefix of it."
         prompt_ids = list(prompt_ids)
-        if ctx: self.cache = ctx
-        held = self.cache[0].offset
+        if ctx: self.cache = spec_cache(self.model, 2, ctx)
+        held = _held(self.cache)
         if held >= len(prompt_ids): raise ValueError(f"the saved draft cache holds {held} tokens, not fewer than the prompt's {len(prompt_ids)}")
         prefill_drain(self.model, self.cache, prompt_ids[held:-1], self.step_size)
         if self.procs: self.history = mx.array(prompt_ids[:-1], mx.uint32)
@@ -48,6 +52,7 @@ class TwoModelSource:
     def draft(self, feed, n, step=0, anchor_hidden=None):
         "Read `feed`, then propose `n` tokens by plain decoding."
         feed, self.logits = mx.array(feed, mx.uint32), []
+        can_take(self.cache, len(feed) + n)   # room to give back every draft step (a ring's slack, a recurrent history)
         if n == 0:  # still read the feed: the next round's feed assumes it
             self.model(feed[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
@@ -69,7 +74,7 @@ class TwoModelSource:
 
     def save(self, held, anchor_hidden=None):
         "Hand over the draft's cache holding exactly `held`: trim what the target rejected, read the one draft never read."
-        have, cache = self.cache[0].offset, self.cache
+        have, cache = _held(self.cache), self.cache
         if have > len(held): rollback(cache, have - len(held))
         else: prefill_drain(self.model, cache, held[have:], self.step_size)
         self.cache = self.history = None
