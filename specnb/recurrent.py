@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from fastcore.basics import patch
 from mlx.utils import tree_map
-from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.utils import _get_classes
 from .rollback import _leaves, rollback
 from .window import as_spec_cache, spec_ring
@@ -254,10 +254,6 @@ def spec_recurrent(c, max_verify:int=16):
                                        "the prompt is read (make_recurrent_caches(model))")
     return RecurrentCache(len(c.cache), max_verify)
 
-def _map_leaves(c, f):
-    "`f` applied to every leaf cache, looking inside mlx-lm's `CacheList` containers."
-    return CacheList(*(_map_leaves(x, f) for x in c.caches)) if isinstance(c, CacheList) else f(c)
-
 def make_recurrent_caches(model,             # an mlx-lm model (its layers get watched)
                           max_verify:int=16, # the longest verify window (γ+1) and draft rollback planned for; `reserve` widens it
                           cache:list|None=None, # mlx-lm's caches to map (fresh, empty); None: `make_prompt_cache(model)`
@@ -265,7 +261,7 @@ def make_recurrent_caches(model,             # an mlx-lm model (its layers get w
     "The model's caches with every recurrent one a `RecurrentCache` that speculation can roll back."
     watch_mixers(model)
     cache = make_prompt_cache(model) if cache is None else cache
-    return [_map_leaves(c, lambda x: spec_recurrent(x, max_verify)) for c in cache]
+    return as_spec_cache(cache, max_verify, (spec_recurrent,))
 
 # %% ../nbs/04b_hybrid.ipynb #3908fe3f
 def timeline(c:RecurrentCache)->str:
