@@ -18,7 +18,7 @@ def _model_args(p):
     p.add_argument("--draft-model", help="draft: a folder or hub id sharing the target's tokenizer (default: the bundled draft with the bundled target)")
     p.add_argument("--draft-kind", choices=list(KINDS), metavar="KIND",
                    help=f"how to draft: {', '.join(KINDS)} (default: two-model with a draft model or the bundled pair, else ngram)")
-    p.add_argument("--num-draft-tokens", type=int, default=3, help="tokens drafted per round, γ (default 3)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="tokens drafted per round, γ (default 3)")
     p.add_argument("--ngram-max", type=int, default=None, help="longest n-gram prompt lookup matches (default 3)")
     p.add_argument("--ngram-min", type=int, default=None, help="shortest n-gram prompt lookup matches (default 1; 3 with --lookup-first)")
     p.add_argument("--exit-layer", type=int, default=None, help="early-exit drafts with this many of the target's layers (default 2)")

@@ -126,8 +126,11 @@ def check_drafting(kind:str, options:dict, adaptive:bool=False):
 def load_drafting(args):
     "Check the draft arguments, load the pair and build the provider: `(pair, provider, kind)`; a bad argument is a `ValueError`."
     from specnb.models import load_pair
-    if args.num_draft_tokens < 1: raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
     kind = draft_kind(args.model, args.draft_model, args.draft_kind, args.draft_head, args.lookup_first)
+    if args.num_draft_tokens is not None and kind == "none":
+        raise ValueError(f"--num-draft-tokens {args.num_draft_tokens}: --draft-kind none drafts nothing")
+    if args.num_draft_tokens is None: args.num_draft_tokens = 3   # the default, said here so that a given value can be told apart
+    if args.num_draft_tokens < 1: raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
     options = drafting_options(args)
     check_drafting(kind, options, args.adaptive)
     pair = load_pair(args.model, options.pop("draft_model"))   # without --model: the bundled target, and --draft-model if given
