@@ -1,4 +1,4 @@
-"""Property test of the executor: any model, draft source, prompt, γ, max_tokens, EOS and halting point gives plain greedy's
+"""Property test of the executor: any model (random llamas with and without a sliding window, gemma3_text and gpt_oss with windows, Qwen3.5 and Qwen3-Next hybrids), draft source, prompt, γ, max_tokens, EOS and halting point gives plain greedy's
 tokens and a consistent cache — and a follow-up turn on the saved target and draft caches gives a fresh run's tokens."""
 import mlx.core as mx
 from hypothesis import assume, given, settings, strategies as st, HealthCheck
@@ -8,45 +8,54 @@ from specnb.sources.registry import KINDS, make_provider
 from specnb.sources.head import load_head, random_head
 from specnb.models import random_model, perturbed
 
+from test_architectures import EARLY_EXIT, HEAD, models as arch_models
+
+ARCHS = ["llama", "gemma3_text", "gpt_oss", "qwen3_5", "qwen3_next"]   # drawn too: random llamas, sliding windows of 16, hybrids
+
 _cache = {}
-def models(seed, window, noise):
-    key = (seed, window, noise)
+def models(seed, window, noise, arch="llama"):
+    "A random `arch` target and its draft (`noise`: how far it is perturbed; 0: the target itself). Only llamas vary with `seed` and `window`."
+    key = (seed, window, noise) if arch == "llama" else (arch, noise)
     if key not in _cache:
-        t = random_model(seed, scale=4, sliding_window=window)
+        t = random_model(seed, scale=4, sliding_window=window) if arch == "llama" else arch_models(arch, 16)[0]
         _cache[key] = (t, t if noise == 0 else perturbed(t, noise, seed=seed + 7))
     return _cache[key]
 
-def head_for(target, seed):
+def head_for(target, seed, arch="llama"):
     "An untrained draft head on layers 0 and 1 of a random target (drafts mostly rejected; the trained one is tested below); odd seeds draft from 40 random tokens only."
-    key = ("head", seed)
+    key = ("head", arch, seed)
     if key not in _cache: _cache[key] = random_head(target, [0, 1], seed=seed, hidden_size=32, intermediate_size=64, draft_vocab=40 * (seed % 2))
     return _cache[key]
 
-def provider(kind, target, draft, seed, adaptive=False, gamma=3, **ngram):
+def provider(kind, target, draft, seed, adaptive=False, gamma=3, arch="llama", **ngram):
     "The registry's provider of draft kind `kind` on random models: `draft` for the two-model kinds, an untrained head, early exit at layer 1."
     k = KINDS[kind]
-    head = head_for(target, seed) if "draft_head" in k.reads else None
+    head = head_for(target, seed, arch) if "draft_head" in k.reads else None
     return make_provider(kind, draft if k.needs_draft else None, adaptive=adaptive, num_draft_tokens=gamma, **k.pick(exit_layer=1, draft_head=head, **ngram))
+
+def applies(kind, arch)->bool:
+    "Whether draft kind `kind` can serve `arch` (early exit and the head refuse some architectures at `check`: tests/test_architectures.py)."
+    return not (kind.startswith("early-exit") and arch not in EARLY_EXIT or kind.startswith("head") and arch not in HEAD)
 
 MODEL_KINDS = ["two-model", "ngram", "early-exit", "head", "two-model+lookup", "head+lookup"]   # registry names
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 3), window=st.sampled_from([None, 16]), noise=st.sampled_from([0.0, 0.03, 0.1, 1.0]),
+@given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 3), window=st.sampled_from([None, 16]), noise=st.sampled_from([0.0, 0.03, 0.1, 1.0]),
        prompt=st.lists(st.integers(0, 127), min_size=1, max_size=24), gamma=st.integers(1, 6),
        max_tokens=st.integers(1, 30), halt=st.one_of(st.none(), st.integers(1, 30)), eos=st.one_of(st.none(), st.integers(0, 127)),
        source=st.sampled_from([(k, False) for k in MODEL_KINDS] + [("two-model", True)]), ngram=st.tuples(st.integers(1, 2), st.integers(0, 3)),
        follow=st.lists(st.integers(0, 127), min_size=1, max_size=6))
-def test_spec_equals_plain(seed, window, noise, prompt, gamma, max_tokens, halt, eos, source, ngram, follow):
-    target, draft = models(seed, window, noise)
+def test_spec_equals_plain(arch, seed, window, noise, prompt, gamma, max_tokens, halt, eos, source, ngram, follow):
+    kind, adaptive = source   # adaptive: draft length adapted per round
+    assume(applies(kind, arch))
+    target, draft = models(seed, window, noise, arch)
     eos_ids = [] if eos is None else [eos]
     plain = generate(target, prompt, max_tokens=max_tokens, eos_token_ids=eos_ids)
     cache, seen = make_prompt_cache(target), []
     def on_token(t):
         seen.append(t)
         return halt is None or len(seen) < halt
-    kind, adaptive = source   # adaptive: draft length adapted per round
-    assume(not (kind == "early-exit" and window))   # early exit reads plain KVCache layers only
-    make = lambda: provider(kind, target, draft, seed, adaptive, gamma, ngram_min=ngram[0], ngram_max=ngram[0] + ngram[1])
+    make = lambda: provider(kind, target, draft, seed, adaptive, gamma, arch, ngram_min=ngram[0], ngram_max=ngram[0] + ngram[1])
     res = spec_generate(target, make(), prompt, num_draft_tokens=gamma, max_tokens=max_tokens,
                         eos_token_ids=eos_ids, prompt_cache=cache, on_token=on_token)
     expected = plain.tokens if halt is None else plain.tokens[:halt]
@@ -69,16 +78,16 @@ def test_spec_equals_plain(seed, window, noise, prompt, gamma, max_tokens, halt,
     assert again.tokens == generate(target, held + new, max_tokens=8, eos_token_ids=eos_ids).tokens
 
 @settings(max_examples=75, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 3), window=st.sampled_from([None, 16]), prompt=st.lists(st.integers(0, 127), min_size=1, max_size=24),
+@given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 3), window=st.sampled_from([None, 16]), prompt=st.lists(st.integers(0, 127), min_size=1, max_size=24),
        gamma=st.integers(1, 6), max_tokens=st.integers(1, 30), halt=st.one_of(st.none(), st.integers(1, 30)),
        eos=st.one_of(st.none(), st.integers(0, 127)), rule=st.sampled_from(["match", "rejection"]),
        source=st.sampled_from(MODEL_KINDS), temp=st.sampled_from([0.5, 1.0, 1.5]),
        top_p=st.sampled_from([0.0, 0.9]), top_k=st.sampled_from([0, 5]), draw=st.integers(0, 2**16))
-def test_sampled_rounds_keep_the_invariant(seed, window, prompt, gamma, max_tokens, halt, eos, rule, source, temp, top_p, top_k, draw):
+def test_sampled_rounds_keep_the_invariant(arch, seed, window, prompt, gamma, max_tokens, halt, eos, rule, source, temp, top_p, top_k, draw):
     "Sampling under either rule: exact max_tokens and halting, no EOS emitted, a cache holding prompt + fed, consistent stats, reproducible."
-    assume(not (source == "early-exit" and window))
-    target, draft = models(seed, window, 0.1)
-    made = provider(source, target, draft, seed, ngram_min=2 if source == "head+lookup" else 1)   # before seeding: a random head draws from the generator too
+    assume(applies(source, arch))
+    target, draft = models(seed, window, 0.1, arch)
+    made = provider(source, target, draft, seed, arch=arch, ngram_min=2 if source == "head+lookup" else 1)   # before seeding: a random head draws from the generator too
     def run():
         mx.random.seed(draw)
         cache, seen = make_prompt_cache(target), []

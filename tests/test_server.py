@@ -336,3 +336,55 @@ def test_lookup_first_serves_the_same_text(client):
         again = c.completions.create(model=MODEL, prompt=follow, max_tokens=24)
         assert again.usage.prompt_tokens_details.cached_tokens > 0
         assert again.choices[0].text == client.completions.create(model=MODEL, prompt=follow, max_tokens=24).choices[0].text
+
+def _save_tiny(folder:Path, cfg:dict, seed:int, noise:float=0.0):
+    "A random mlx-lm model from `cfg` (weights from `seed`, times 1 + `noise` N(0, 1)) saved with the bundled tokenizer, as `mlx_lm.load` reads it."
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+    from specnb.models import perturbed
+    Model, Args = _get_classes(cfg)
+    mx.random.seed(0)
+    m = Model(Args.from_dict(cfg))
+    m.set_dtype(mx.float32)
+    if noise: m = perturbed(m, noise, seed=seed)
+    folder.mkdir(parents=True)
+    mx.save_safetensors(str(folder/"model.safetensors"), dict(tree_flatten(m.parameters())))
+    (folder/"config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"): shutil.copy(bundled_dir("target")/f, folder/f)
+
+def _tiny_configs(vocab:int)->dict:
+    "A llama whose even layers slide over 16 tokens, and a Qwen3-Next hybrid (Gated DeltaNet), with the bundled tokenizer's vocabulary."
+    from specnb.recurrent import HYBRIDS
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 tie_word_embeddings=False)
+    return {"sliding": dict(model_type="llama", **shape, num_hidden_layers=4, rms_norm_eps=1e-5, sliding_window=16,
+                            layer_types=["sliding_attention", "full_attention"] * 2),
+            "hybrid": dict(model_type="qwen3_next", **{**HYBRIDS["qwen3_next"], **shape})}
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sliding", "hybrid"])
+def test_prompt_cache_on_sliding_and_hybrid_targets(kind, tmp_path):
+    "`specnb serve` on a tiny sliding-window and a tiny hybrid target with a perturbed draft: a follow-up turn reuses the cache and equals a fresh run."
+    import mlx_lm
+    from mlx_lm.sample_utils import make_logits_processors
+    from tokenizers import Tokenizer
+    vocab = Tokenizer.from_file(str(bundled_dir("target")/"tokenizer.json")).get_vocab_size()
+    cfg = _tiny_configs(vocab)[kind]
+    _save_tiny(tmp_path/"target", cfg, 0); _save_tiny(tmp_path/"draft", cfg, 1, noise=0.05)
+    target, tok = mlx_lm.load(str(tmp_path/"target"))
+    draft, _ = mlx_lm.load(str(tmp_path/"draft"))
+    procs, eos = make_logits_processors({0: -100}), tok.eos_token_ids
+    run = lambda ids: spec_generate(target, TwoModelProvider(draft), ids, max_tokens=24, eos_token_ids=eos, logits_processors=procs).tokens
+    # token ids, not text: a random model's text need not encode back to the same tokens, and a wrapped ring cannot be cut back to a shorter match
+    prompt = tok.encode("def read_config(path):\n    with open(path) as f:\n        return f.read()\n\n" * 2)   # longer than the window
+    with running_server("--model", str(tmp_path/"target"), "--draft-model", str(tmp_path/"draft")) as u:
+        c = openai.OpenAI(base_url=u + "/v1", api_key="not-needed", max_retries=0, timeout=120)
+        name = c.models.list().data[0].id
+        first = c.completions.create(model=name, prompt=prompt, max_tokens=24, extra_body={"logit_bias": NO_EOS})
+        tokens = run(prompt)
+        assert first.choices[0].text == tok.decode(tokens) and first.usage.speculation["rounds"] > 0
+        follow = prompt + tokens + tok.encode("\ndef main():\n")
+        again = c.completions.create(model=name, prompt=follow, max_tokens=24, extra_body={"logit_bias": NO_EOS})
+    assert again.usage.prompt_tokens_details.cached_tokens >= len(prompt)
+    assert again.choices[0].text == tok.decode(run(follow))   # identical to a fresh run

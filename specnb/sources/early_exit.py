@@ -10,10 +10,17 @@ __all__ = ['EarlyExitSource', 'EarlyExitProvider']
 # %% ../../nbs/05d_early_exit.ipynb #96ca7d54
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
+from ..tap import arch_name
+from ..window import SpecRotatingKVCache
+from ..recurrent import spec_cache
 from .base import TargetView, draft_distribution, draft_tokens, output_head
 
 # %% ../../nbs/05d_early_exit.ipynb #2d10cdc2
+def _mask(h:mx.array, c):
+    "The mask one layer needs for the new rows `h` on its cache `c`: its own window on a ring, none on recurrent state (one row, no padding)."
+    return None if isinstance(c, ArraysCache) else create_attention_mask(h, c)
+
 class EarlyExitSource:
     "Drafts with the first `exit_layer` layers of the target, on the target's own caches."
     tap_layers = None
@@ -29,8 +36,7 @@ class EarlyExitSource:
     def _logits(self, y):
         "`(1, V)` logits of the next position after the token `y`, through the first layers on the target's caches."
         h = self.embed(y[None])
-        mask = create_attention_mask(h, self.cache[0])
-        for layer, c in zip(self.layers, self.cache): h = layer(h, mask, cache=c)
+        for layer, c in zip(self.layers, self.cache): h = layer(h, _mask(h, c), cache=c)   # a sliding layer sees its window, a full one all
         return self.head(self.norm(h[:, -1]))
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
@@ -50,6 +56,8 @@ class EarlyExitSource:
     def close(self): self.cache = None
 
 # %% ../../nbs/05d_early_exit.ipynb #d2892fd8
+_ROLLS_BACK = (KVCache, SpecRotatingKVCache, ArraysCache)   # what `spec_cache` makes that a draft's speculative entries can leave again
+
 class EarlyExitProvider:
     "Self-speculation: the target's first `exit_layer` layers draft for it."
     def __init__(self, exit_layer:int=2):
@@ -57,15 +65,20 @@ class EarlyExitProvider:
         self.exit_layer = exit_layer
 
     def check(self, model):
-        "Raise `ValueError` unless `model` can exit early at `exit_layer` (call at start-up)."
-        inner = getattr(model, "model", None)
+        "Raise `ValueError`, naming the architecture and the reason, unless `model` can exit early at `exit_layer` (call at start-up)."
+        arch, inner, L = arch_name(model), getattr(model, "model", None), self.exit_layer
         if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
-            raise ValueError(f"early exit needs an mlx-lm llama-family model (embed_tokens, layers, norm); {type(model).__module__} has no such structure")
+            raise ValueError(f"early exit cannot cut {arch} short: it needs the decoder at model.model with embed_tokens, layers and a final norm "
+                             f"(mlx-lm's llama-family layout), and {type(model).__module__} has no such structure")
         n = len(inner.layers)
-        if not 1 <= self.exit_layer < n:
-            raise ValueError(f"exit_layer {self.exit_layer} is not below the target's {n} layers; choose 1..{n - 1}")
-        bad = {type(c).__name__ for c in model.make_cache()[:self.exit_layer] if type(c) is not KVCache} if hasattr(model, "make_cache") else set()
-        if bad: raise ValueError(f"early exit reads plain KVCache layers; the first {self.exit_layer} layers use {sorted(bad)}")
+        if not 1 <= L < n: raise ValueError(f"exit_layer {L} is not below the target's {n} layers; choose 1..{n - 1}")
+        cache = spec_cache(model, 2)[:L]   # the caches the executor will give the target
+        bad = sorted({type(c).__name__ for c in cache if not isinstance(c, _ROLLS_BACK)})
+        if bad: raise ValueError(f"early exit cannot draft on {arch}: its first {L} layers keep {bad}, which cannot give back a draft's entries")
+        try: out = EarlyExitSource(TargetView(model, cache), L)._logits(mx.array([0], mx.uint32))   # one token through the cut model
+        except (TypeError, AttributeError, ValueError, IndexError) as e:
+            raise ValueError(f"early exit cannot run {arch}'s first {L} layers on their own ({type(e).__name__}: {e})") from e
+        if not isinstance(out, mx.array) or out.ndim != 2: raise ValueError(f"early exit cannot read {arch}'s layers: they return {type(out).__name__}")
 
     def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->EarlyExitSource:
         if target is None: raise ValueError("the early-exit source reads the target: open it with target=TargetView(model, cache)")

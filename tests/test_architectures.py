@@ -1,0 +1,94 @@
+"""Every architecture speculates (issue 20): tiny random models of thirteen mlx-lm architectures — full attention, sliding windows
+and hybrids — with windows of 8–32, prompts longer than the window and chunked prefill. Every applicable source gives plain
+greedy decoding's tokens, with no fall-back and rounds running after the ring has wrapped; sources that cannot read a target
+are refused at `check`, naming the architecture."""
+import random
+import mlx.core as mx, pytest
+from mlx_lm.utils import _get_classes
+from specnb import generate, spec_generate
+from specnb.models import perturbed
+from specnb.recurrent import tiny_hybrid
+from specnb.sources.head import random_head
+from specnb.sources.registry import KINDS, make_provider
+
+SLIDING = {   # each architecture's own keys, on top of the shared tiny shape (as in nbs/04a_sliding_window.ipynb)
+    "llama": dict(layer_types=["sliding_attention", "full_attention"] * 2),
+    "gemma3_text": dict(sliding_window_pattern=2, query_pre_attn_scalar=16),
+    "gpt_oss": dict(layer_types=["sliding_attention", "full_attention"] * 2, num_local_experts=4, num_experts_per_tok=2),
+    "cohere2": dict(sliding_window_pattern=2),
+    "gemma4_text": dict(sliding_window_pattern=2, global_head_dim=16, num_kv_shared_layers=2, hidden_size_per_layer_input=0),
+}
+FULL = {"qwen3": dict(rope_theta=1e4, max_position_embeddings=512)}
+HYBRID = ["qwen3_5", "qwen3_next", "lfm2", "nemotron_h", "mamba2", "falcon_h1", "granitemoehybrid", "recurrent_gemma"]
+ARCHS = [*SLIDING, *FULL, *HYBRID]
+# the sources that read the target, where they can (nbs/05d_early_exit.ipynb, nbs/05e_head.ipynb); the rest refuse at `check`
+EARLY_EXIT = {"llama", "qwen3", "gemma3_text", "gpt_oss", "cohere2", "qwen3_5", "qwen3_next", "granitemoehybrid"}
+HEAD = {"llama", "qwen3", "gemma3_text", "gpt_oss", "cohere2", "qwen3_next", "granitemoehybrid"}
+
+def windowed(arch:str)->bool: return arch in SLIDING or arch == "recurrent_gemma"
+
+_models = {}
+def models(arch:str, window:int):
+    "A random `arch` target (its window `window` where it slides), a perturbed copy of it as the draft, and a random head for it."
+    key = (arch, window if windowed(arch) else None)
+    if key not in _models:
+        if arch in HYBRID: m = tiny_hybrid(arch, **(dict(attention_window_size=window) if arch == "recurrent_gemma" else {}))
+        else:
+            cfg = dict(model_type=arch, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=False, **SLIDING.get(arch, FULL.get(arch)))
+            if arch in SLIDING: cfg["sliding_window"] = window
+            Model, Args = _get_classes(cfg)
+            mx.random.seed(0)
+            m = Model(Args.from_dict(cfg))
+            mx.eval(m.parameters())
+        head = random_head(m, [0, 1], hidden_size=32, intermediate_size=64) if arch in HEAD else None
+        _models[key] = m, perturbed(m, 0.05), head
+    return _models[key]
+
+def sources(arch:str)->list:
+    "The registry's draft kinds that apply to `arch`."
+    out = ["two-model", "ngram", "two-model+lookup"]
+    if arch in EARLY_EXIT: out += ["early-exit", "early-exit+lookup"]
+    if arch in HEAD: out += ["head", "head+lookup"]
+    return out
+
+def prompt_for(rng:random.Random, window:int)->list:
+    "A prompt several windows long that repeats itself (so prompt lookup finds matches)."
+    part = [rng.randrange(128) for _ in range(window // 2 + 3)]
+    return (part * 5)[: 2 * window + rng.randrange(1, window)]
+
+def check_case(arch, source, window, gamma, step, prompt, max_tokens=24):
+    "One gate case: `source` on `arch` equals plain greedy decoding, never falls back, and runs rounds."
+    target, draft, head = models(arch, window)
+    plain = generate(target, prompt, max_tokens=max_tokens, prefill_step_size=step).tokens
+    prov = make_provider(source, draft if KINDS[source].needs_draft else None, target=target, num_draft_tokens=gamma,
+                         **KINDS[source].pick(exit_layer=1, draft_head=head, ngram_min=1, ngram_max=3))
+    r = spec_generate(target, prov, prompt, num_draft_tokens=gamma, max_tokens=max_tokens, prefill_step_size=step)
+    assert r.tokens == plain, (arch, source, window, gamma, step)
+    assert r.stats.fallback_at is None and r.stats.rounds > 0, (arch, source, r.stats)   # the prompt alone is longer than the window
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_architecture(arch):
+    "Each applicable source once on `arch`, with a window, γ and prefill chunk drawn from a fixed seed."
+    rng = random.Random(ARCHS.index(arch))
+    window = rng.choice([8, 12, 16, 24, 32])
+    prompt = prompt_for(rng, window)
+    for source in sources(arch): check_case(arch, source, window, rng.randint(1, 5), rng.randint(3, window - 1), prompt)
+
+@pytest.mark.parametrize("arch", sorted(set(ARCHS) - (EARLY_EXIT & HEAD)))
+def test_refusals(arch):
+    "Early exit and the head (alone or behind prompt lookup) refuse, at `check`, a target whose layers they cannot read, naming its architecture."
+    target, head = models(arch, 8)[0], random_head(models("llama", 8)[0], [0, 1], hidden_size=32)
+    kinds = [k for k, ok in (("early-exit", arch in EARLY_EXIT), ("head", arch in HEAD)) if not ok]
+    for kind in kinds + [k + "+lookup" for k in kinds]:
+        with pytest.raises(ValueError, match=arch): make_provider(kind, target=target, **KINDS[kind].pick(exit_layer=1, draft_head=head))
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_architecture_sweep(arch):
+    "Every applicable source at every γ 1..5, on two windows (8 and 32 where the model slides) and two prefill chunks."
+    rng = random.Random(100 + ARCHS.index(arch))
+    for window in ((8, 32) if windowed(arch) else (16,)):
+        prompt = prompt_for(rng, window)
+        for source in sources(arch):
+            for gamma in range(1, 6): check_case(arch, source, window, gamma, rng.choice([3, window - 1]), prompt, max_tokens=20)
