@@ -39,7 +39,7 @@ def applies(kind, arch)->bool:
 
 MODEL_KINDS = ["two-model", "ngram", "early-exit", "head", "two-model+lookup", "head+lookup"]   # registry names
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 3), window=st.sampled_from([None, 16]), noise=st.sampled_from([0.0, 0.03, 0.1, 1.0]),
        prompt=st.lists(st.integers(0, 127), min_size=1, max_size=24), gamma=st.integers(1, 6),
        max_tokens=st.integers(1, 30), halt=st.one_of(st.none(), st.integers(1, 30)), eos=st.one_of(st.none(), st.integers(0, 127)),
@@ -118,7 +118,7 @@ def bundled_head():
         _bundled.update(target=target, head=load_head(), ids=tok.encode(text), eos=list(tok.eos_token_ids))
     return _bundled
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(start=st.integers(0, 1500), plen=st.integers(1, 48), gamma=st.integers(1, 6), max_tokens=st.integers(1, 40),
        halt=st.one_of(st.none(), st.integers(1, 40)), follow=st.integers(1, 6), lookup=st.booleans())
 def test_trained_head_equals_plain(start, plen, gamma, max_tokens, halt, follow, lookup):
