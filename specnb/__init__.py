@@ -13,6 +13,7 @@ load_openblas()
 _LAZY = {
     "Sampling": "accept",
     **dict.fromkeys(["spec_generate", "spec_stream", "generate", "SpecResult", "SpecStats", "SpecStream"], "executor"),
+    **dict.fromkeys(["spec_generate_batch", "Batch"], "batch"),
     **dict.fromkeys(["DraftProvider", "DraftSource", "TargetView", "NoDraft"], "sources.base"),
     "TwoModelProvider": "sources.two_model",
     "NgramProvider": "sources.ngram",

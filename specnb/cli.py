@@ -9,7 +9,8 @@ __all__ = ['echo', 'cmd_generate', 'main']
 
 # %% ../nbs/07a_cli.ipynb #8e948cbe
 import argparse, sys
-from .sources.registry import KINDS, load_drafting
+from contextlib import nullcontext
+from .sources.registry import KINDS, draft_kind, load_drafting
 
 # %% ../nbs/07a_cli.ipynb #16de2587
 def _model_args(p):
@@ -42,6 +43,9 @@ def _parser():
     g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with at least this fraction of the top probability (default 0: off)")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--distributed", action="store_true", help="run as one rank of an mlx.launch job: the target split over the ranks, the draft source whole on each")
+    g.add_argument("--pipeline", action="store_true", help="with --distributed: pipeline parallel (models with mlx-lm's pipeline mixin); default tensor parallel")
+    g.add_argument("--rank-timeout", type=float, default=None, help="with --distributed: seconds without progress before a rank gives up on the others (default 60)")
     g.add_argument("--no-echo", action="store_true", help="print only the completion, not the prompt before it (dimmed on a terminal)")
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (see specnb.serve)")
     _model_args(s)
@@ -53,6 +57,13 @@ def _parser():
     s.add_argument("--max-tokens-limit", type=int, default=32768, help="the largest max_tokens a request may ask for (default 32768)")
     s.add_argument("--temp", type=float, default=0.0, help="temperature when a request names none (default 0: greedy)")
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model, or specnb-bundled)")
+    s.add_argument("--max-context", type=int, default=None, help="refuse a prompt + max_tokens longer than this (default: the target's context from its config)")
+    s.add_argument("--max-request-bytes", default="16MiB", help="refuse request bodies larger than this with 413 (default 16MiB)")
+    s.add_argument("--memory-budget", default=None, help="memory the server may hold, e.g. 48G (default: MLX's recommended working set, else 3/4 of RAM)")
+    s.add_argument("--prompt-cache-bytes", default=None, help="bytes the prompt cache may hold (default: a quarter of the memory budget)")
+    s.add_argument("--request-timeout", type=float, default=None, help="stop a request after this many seconds from its arrival (default: none)")
+    s.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill forward; a request can stop between them (default 2048)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes (default: $SPECNB_API_KEY; none on loopback)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log level")
     b = sub.add_parser("bench", help="benchmark plain decoding, each draft source and mlx-lm on one pair (see specnb.bench)")
     b.add_argument("--model", help="target: a local mlx-lm folder or a hub id (default: the bundled target)")
@@ -81,29 +92,52 @@ def echo(prompt:str, out, chat:bool=False)->str:
     shown = prompt + ("\n" if chat else "")
     return f"\x1b[2m{shown}\x1b[0m" if getattr(out, "isatty", lambda: False)() else shown
 
+def _ranks(args, err):
+    "`--distributed`: join the `mlx.launch` job (None without it), refusing the options it makes meaningless, before any model loads."
+    if not args.distributed:
+        given = [f for f, on in (("--pipeline", args.pipeline), ("--rank-timeout", args.rank_timeout is not None)) if on]
+        if given: raise ValueError(f"{given[0]} applies with --distributed")
+        return None
+    kind = draft_kind(args.model, args.draft_model, args.draft_kind, args.draft_head, args.lookup_first)
+    if args.pipeline and kind.split("+")[0] in ("early-exit", "head"):
+        raise ValueError(f"--draft-kind {kind} reads the target's layers, which --pipeline spreads over the ranks; use tensor parallelism (drop --pipeline)")
+    from specnb.distributed import join
+    return join(args.pipeline, 60.0 if args.rank_timeout is None else args.rank_timeout, err)
+
 def cmd_generate(args, out=sys.stdout, err=sys.stderr):
     "Run `specnb generate`: stream the text to `out`, then one statistics line to `err`."
     import mlx.core as mx   # here, not at the top: `specnb --help` and argument errors load no MLX
     from specnb.accept import Sampling
     from specnb.detok import DecodedText
-    from specnb.executor import spec_stream
+    from specnb.executor import spec_stream, context_length
     from specnb.blas import blas_in_use
+    from specnb.distributed import agree
     if args.max_tokens < 1: raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     sampling = Sampling(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)   # bad values: a ValueError naming them
     _check_sampling(args)
-    pair, provider, kind = load_drafting(args)
+    ranks = _ranks(args, err)
+    pair, provider, kind = load_drafting(args, loader=ranks.load if ranks else None)
     tok = pair.tokenizer
-    if args.seed is not None: mx.random.seed(args.seed)
+    if ranks: ranks.seed(args.seed); out, err = ranks.output(out), ranks.output(err)   # one seed everywhere; rank 0 prints
+    elif args.seed is not None: mx.random.seed(args.seed)
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False) if args.chat else args.prompt
     prompt = tok.encode(text, add_special_tokens=not args.chat)
+    limit = context_length(pair.target)
+    if limit is not None and len(prompt) + args.max_tokens > limit:
+        raise ValueError(f"the prompt ({len(prompt)} tokens) and --max-tokens {args.max_tokens} need {len(prompt) + args.max_tokens} tokens, "
+                         f"more than the model's context of {limit}; shorten the prompt or lower --max-tokens")
     text = DecodedText(tok)
     if not args.no_echo: out.write(echo(args.prompt, out, args.chat))
+    watch = ranks.watch() if ranks else None   # with --distributed: a rank that stops making progress ends the job with one line
     stream = spec_stream(pair.target, provider, prompt, num_draft_tokens=args.num_draft_tokens, max_tokens=args.max_tokens,
-                         eos_token_ids=tok.eos_token_ids, sampler=sampling if args.temp > 0 else None, acceptance=args.acceptance)
-    with stream:
+                         eos_token_ids=tok.eos_token_ids, sampler=sampling if args.temp > 0 else None, acceptance=args.acceptance,
+                         should_stop=watch.beat if watch else None)
+    with watch or nullcontext(), stream:
         for t in stream:
+            if watch: watch.beat()
             out.write(text.add(t)); out.flush()
     out.write(text.finish() + "\n"); out.flush()
+    if ranks: agree(stream.result.tokens, ranks.group)
     st = stream.result.stats
     print(f"[{kind}{', rejection sampling' if st.rule == 'rejection' else ''}] " + st.summary() + ("" if provider else " | plain decoding")
           + f" | BLAS {blas_in_use()}", file=err)
@@ -126,4 +160,8 @@ def main(argv=None):
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"specnb: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as e:   # a collective that failed: another rank died (single-process errors keep their traceback)
+        if not getattr(args, "distributed", False): raise
+        print(f"specnb: error: {e}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt: sys.exit(130)

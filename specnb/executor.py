@@ -6,7 +6,7 @@ Docs: https://specnb.github.io/specnb/executor.html.md"""
 
 # %% auto #0
 __all__ = ['ACCEPTANCE', 'DRAFT_OPTIONS', 'SpecStats', 'SpecResult', 'spec_options', 'SpecStream', 'spec_stream', 'spec_generate',
-           'generate']
+           'generate', 'context_length']
 
 # %% ../nbs/07_executor.ipynb #7c6a14fe
 import time
@@ -77,7 +77,8 @@ class SpecStats:
 class SpecResult:
     "What a generation produced."
     tokens: list = field(default_factory=list)   # emitted token ids (EOS excluded)
-    finish_reason: str | None = None             # "stop" (EOS or grammar end), "length", or None (halted by the consumer)
+    finish_reason: str | None = None             # "stop" (EOS or grammar end), "length", None (halted by the consumer),
+                                                 # or "cancelled" (`should_stop` ended the prefill: the cache holds part of the prompt)
     stats: SpecStats = field(default_factory=SpecStats)
     fed: int = 0                                 # the target cache holds prompt + tokens[:fed]
     draft_cache: list | None = None              # with a prompt cache: the source's caches, holding the same tokens
@@ -95,6 +96,7 @@ def spec_options(*,
                  draft_cache=None,           # a previous result's `draft_cache`, holding the same tokens as `prompt_cache`
                  prefill_step_size:int=2048, # prompt tokens per prefill forward (mlx-lm's `speculative_generate_step` uses 512)
                  acceptance:str="match",     # "match": keep a draft the target samples too; "rejection": speculative sampling
+                 should_stop=None,           # asked between prefill chunks; True abandons the request ("cancelled")
                 )->SimpleNamespace:
     "The generation options, as one value: the one place they are named, defaulted and documented."
     return SimpleNamespace(**locals())
@@ -170,12 +172,14 @@ def _open(model, provider, prompt, res:SpecResult, o:SimpleNamespace)->_Request:
     return r
 
 # %% ../nbs/07_executor.ipynb #10c1f302
-def _prefill(r:_Request):
-    "The target reads `prompt[:-1]`, the source the whole context; `pending` is the last prompt token."
-    with r.watch: prefill_drain(r.model, r.cache, r.prompt[:-1], r.o.prefill_step_size)
+def _prefill(r:_Request)->bool:
+    "The target reads `prompt[:-1]`, the source the whole context; `pending` is the last prompt token. True when `should_stop` cut it short."
+    with r.watch: fed = prefill_drain(r.model, r.cache, r.prompt[:-1], r.o.prefill_step_size, r.o.should_stop)
+    if fed < len(r.prompt) - 1: return r.finish("cancelled")
     r.pending = r.prompt[-1]
     r.feed = [r.pending]
     if r.source is not None: r.source.prefill(r.full, ctx=r.o.draft_cache)
+    return False
 
 # %% ../nbs/07_executor.ipynb #0c9178c2
 def _plain_steps(r:_Request, n_steps:int, watch=nullcontext()):
@@ -273,7 +277,7 @@ def _speculate(r:_Request):
 def _finish(r:_Request, t1:float):
     "Save the draft's caches beside a prompt cache, close the source, and count."
     if r.source is not None:
-        if r.o.prompt_cache is not None:
+        if r.o.prompt_cache is not None and r.res.finish_reason != "cancelled":   # a cut-short prefill holds nothing worth saving
             held = r.full + r.out[:r.res.fed]
             if r.tap is None: r.res.draft_cache = r.source.save(held)
             else: r.res.draft_cache = r.source.save(held, anchor_hidden=r.tap.take())   # and the kept rows it has not read
@@ -287,7 +291,7 @@ def _run(model, provider, prompt, res:SpecResult, o:SimpleNamespace):
     r = _open(model, provider, prompt, res, o)
     t0 = t1 = time.perf_counter()
     try:
-        _prefill(r)
+        if _prefill(r): return
         res.stats.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         if r.source is not None:
@@ -336,3 +340,14 @@ def generate(model, prompt, **kwargs)->SpecResult:
     drafty = [k for k in DRAFT_OPTIONS if k in kwargs]
     if drafty: raise TypeError(f"generate has no draft, so {drafty} mean nothing to it: use spec_generate")
     return spec_generate(model, None, prompt, **kwargs)
+
+# %% ../nbs/07_executor.ipynb #81f0d458
+_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "max_seq_len", "n_positions", "seq_length", "context_length", "n_ctx")
+
+def context_length(model)->int|None:
+    "The longest context `model`'s config names (`max_position_embeddings` or another spelling of it); None when it names none."
+    args = getattr(model, "args", None)
+    for k in _CONTEXT_KEYS:
+        v = getattr(args, k, None) if not isinstance(args, dict) else args.get(k)
+        if isinstance(v, int) and v > 0: return v
+    return None

@@ -1,7 +1,8 @@
 """`specnb serve` end to end: the server started as a user starts it (a subprocess on a free loopback port) and driven
 with the official `openai` client — chat and completions, streaming and not, structured output, stop sequences,
-usage.speculation, the prompt cache, concurrency, a disconnect, a full queue, bad input and bad start-up arguments."""
-import json, re, shutil, subprocess, sys, threading, time
+usage.speculation, the prompt cache, concurrency, a disconnect, a full queue, bad input and bad start-up arguments — and a server
+that holds its ground: the context limit, the body size limit, memory admission, a hang-up during a long prefill, API keys, SIGTERM."""
+import json, re, shutil, signal, socket, subprocess, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import httpx, jsonschema, openai, pytest
@@ -10,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specnb import spec_generate, TwoModelProvider
 from specnb.models import load_pair, bundled_dir, PROBE
 from specnb.blas import OPENBLAS
-from specnb.harness import running_server
+from specnb.harness import running_server, serve_process
 
 MODEL = "specnb-bundled"
 NO_EOS = {"0": -100}   # the bundled EOS id: banning it makes a generation run to max_tokens
@@ -152,7 +153,7 @@ def test_eight_concurrent_clients(client, pair):
 
 def test_disconnect_stops_generation(client, url):
     before = metric(url, "specnb_generated_tokens_total")
-    stream = client.completions.create(model=MODEL, prompt="def f():\n", max_tokens=4000, stream=True, extra_body={"logit_bias": NO_EOS})
+    stream = client.completions.create(model=MODEL, prompt="def f():\n", max_tokens=1000, stream=True, extra_body={"logit_bias": NO_EOS})
     for _, _ in zip(range(5), stream): pass
     stream.close()
     t0 = time.monotonic()
@@ -160,7 +161,7 @@ def test_disconnect_stops_generation(client, url):
         assert time.monotonic() - t0 < 30, "the server did not stop the abandoned generation"
         time.sleep(0.1)
     generated = metric(url, "specnb_generated_tokens_total") - before
-    assert generated < 1000, generated   # stopped long before max_tokens
+    assert generated < 500, generated   # stopped long before max_tokens
     assert metric(url, "specnb_running_requests") == 0 and metric(url, "specnb_queue_depth") == 0
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=3).usage.completion_tokens == 3
 
@@ -296,6 +297,7 @@ def foreign_draft(tmp_path_factory, pair):
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
     (["--max-queue", "0"], "--max-queue must be >= 1"),
     (["--port", "70000"], "--port must be <= 65535"),
+    (["--memory-budget", "lots"], "--memory-budget must be a size such as 512M"),
     (["FOREIGN"], "do not share a tokenizer"),
 ])
 def test_bad_start_up_fails_with_one_line(args, says, foreign_draft, fast_env):
@@ -388,3 +390,160 @@ def test_prompt_cache_on_sliding_and_hybrid_targets(kind, tmp_path):
         again = c.completions.create(model=name, prompt=follow, max_tokens=24, extra_body={"logit_bias": NO_EOS})
     assert again.usage.prompt_tokens_details.cached_tokens >= len(prompt)
     assert again.choices[0].text == tok.decode(run(follow))   # identical to a fresh run
+
+
+# --- The server holds its ground (issue 24) -------------------------------------------------------------------------------
+
+def _error(e)->dict: return e.value.body.get("error", e.value.body)   # openai 1.x hands over the inner object, later versions the whole body
+
+def test_an_over_long_prompt_is_refused_within_a_second(client, url):
+    "200,000 words (~400,000 tokens) against a 1,024-token context: 400 context_length_exceeded, counted only as far as it takes."
+    t0 = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="word " * 200_000, max_tokens=16)
+    took = time.monotonic() - t0
+    assert took < 1, took
+    err = _error(e)
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt") and "maximum context length is 1024 tokens" in err["message"], err
+    with pytest.raises(openai.BadRequestError) as e:   # exact numbers when the prompt is short enough to count
+        client.completions.create(model=MODEL, prompt=[5] * 1000, max_tokens=100)
+    assert "needs 1100 tokens (1000 in the prompt, 100 to generate)" in _error(e)["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 2000}], max_tokens=10)
+    assert (_error(e)["code"], _error(e)["param"]) == ("context_length_exceeded", "messages")
+    r = client.completions.create(model=MODEL, prompt=[5] * 1000, extra_body={"logit_bias": NO_EOS})   # no max_tokens: what fits
+    assert r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length"
+    assert metric(url, "specnb_refused_requests_total", reason="context_length_exceeded") >= 3
+
+def _raw_post(url:str, head:bytes, body:bytes)->tuple:
+    "Send a request's headers and the start of its body on a raw socket; (status, JSON body, seconds until the answer)."
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(head + body)
+        t0, data = time.monotonic(), b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk: break
+            data += chunk
+    took = time.monotonic() - t0
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data.split(b"\r\n\r\n", 1)[1]), took
+
+def test_an_oversized_body_is_a_413_before_it_is_read(url):
+    "A body declared at 50 MB is refused from its headers, while the client has sent only a kilobyte of it."
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 50000000\r\n\r\n"
+    status, body, took = _raw_post(url, head, b'{"prompt": "' + b"x" * 1000)
+    assert status == 413 and took < 1, (status, took)
+    assert body["error"]["code"] == "request_too_large" and "50000000 bytes" in body["error"]["message"], body
+    assert metric(url, "specnb_refused_requests_total", reason="request_too_large") >= 1
+    assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60).status_code == 200
+
+LONG_CONTEXT = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                    num_hidden_layers=2, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=65536)   # KV: 2 KiB a token
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory):
+    "A tiny random llama with a 64Ki-token context, served with prompt lookup, 64-token prefill chunks and a 48 MiB memory budget."
+    from tokenizers import Tokenizer
+    folder = tmp_path_factory.mktemp("long") / "target"
+    _save_tiny(folder, {**LONG_CONTEXT, "vocab_size": Tokenizer.from_file(str(bundled_dir("target")/"tokenizer.json")).get_vocab_size()}, 0)
+    with running_server("--model", str(folder), "--draft-kind", "ngram", "--prefill-step-size", "64", "--memory-budget", "48MiB") as u:
+        c = openai.OpenAI(base_url=u + "/v1", api_key="not-needed", max_retries=0, timeout=120)
+        name = c.models.list().data[0].id
+        c.completions.create(model=name, prompt=[5, 6, 7], max_tokens=4)   # warm: the thread pool has its threads
+        yield u, c, name, httpx.get(u + "/health").json()
+
+def _wait(cond, what:str, limit:float=30):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < limit, what
+        time.sleep(0.05)
+
+def test_memory_admission(long_context):
+    "Never fits: 400 at once. Fits alone but not beside the running one: waits in the queue, served once the first is done."
+    url, c, name, start = long_context
+    mem = start["memory"]
+    room, per = mem["budget"] - mem["resident"], 2048
+    assert start["context_length"] == 65536 and mem["budget"] == 48 * 2**20, start
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=name, prompt=[5] * 8, max_tokens=32_000)
+    assert _error(e)["code"] == "memory_budget_exceeded" and "48.0 MiB" in _error(e)["message"], _error(e)
+    big, small = int(room * 0.6) // per, int(room * 0.5) // per   # each fits alone; together they do not
+    a = c.completions.create(model=name, prompt=[5] * 8, max_tokens=big, stream=True, extra_body={"logit_bias": NO_EOS})
+    for _, _ in zip(range(3), a): pass
+    held = httpx.get(url + "/health").json()
+    assert held["running"] == 1 and 0.55 * room < held["memory"]["requests"] <= room, held
+    got = {}
+    def second():
+        b = c.completions.create(model=name, prompt=[6] * 8, max_tokens=small, stream=True, extra_body={"logit_bias": NO_EOS})
+        next(iter(b)); got["first"] = time.monotonic(); b.close()
+    t = threading.Thread(target=second); t.start()
+    _wait(lambda: httpx.get(url + "/health").json()["queue_depth"] == 1, "the second request was not queued")
+    time.sleep(0.5)
+    assert "first" not in got   # it waits while the first holds its memory
+    a.close(); closed = time.monotonic()
+    t.join(60)
+    assert got["first"] > closed
+    _wait(lambda: httpx.get(url + "/health").json()["running"] == 0, "the worker did not finish")
+    after = httpx.get(url + "/health").json()
+    assert (after["queue_depth"], after["memory"]["requests"]) == (0, 0), after
+
+def test_a_hang_up_during_a_long_prefill_frees_the_worker(long_context):
+    "A 20,000-token prompt prefills in 64-token chunks for tens of seconds; the client leaves after a second, and the next request is served at once."
+    url, c, name, start = long_context
+    long_prompt = [i % 4000 + 1 for i in range(20_000)]
+    before = metric(url, "specnb_requests_total", endpoint="completions", finish_reason="cancelled")
+    stream = c.completions.create(model=name, prompt=long_prompt, max_tokens=8, stream=True)   # streamed
+    time.sleep(1.0)
+    stream.close()
+    t0 = time.monotonic()
+    assert c.completions.create(model=name, prompt=[5, 6, 7], max_tokens=4).usage.completion_tokens == 4
+    streamed_freed = time.monotonic() - t0
+    with pytest.raises(httpx.ReadTimeout):   # one body at the end: the client gives up waiting
+        httpx.post(url + "/v1/completions", json={"model": name, "prompt": long_prompt, "max_tokens": 8}, timeout=httpx.Timeout(60, read=1.0))
+    t0 = time.monotonic()
+    assert c.completions.create(model=name, prompt=[5, 6, 7], max_tokens=4).usage.completion_tokens == 4
+    whole_freed = time.monotonic() - t0
+    assert streamed_freed < 3 and whole_freed < 3, (streamed_freed, whole_freed)
+    assert metric(url, "specnb_requests_total", endpoint="completions", finish_reason="cancelled") == before + 2
+
+def test_nothing_is_left_behind(long_context):
+    "After the refused, queued, cancelled and abandoned requests above: no job, no reservation, no extra thread, memory back down."
+    url, c, name, start = long_context
+    c.completions.create(model=name, prompt=[5, 6, 7], max_tokens=4)
+    _wait(lambda: httpx.get(url + "/health").json()["running"] == 0, "the worker is still busy")
+    h = httpx.get(url + "/health").json()
+    assert (h["queue_depth"], h["running"], h["memory"]["requests"]) == (0, 0, 0), h
+    assert h["threads"] <= start["threads"] + 4, (h["threads"], start["threads"])
+    assert h["memory"]["mlx_active"] <= h["memory"]["resident"] + h["memory"]["prompt_cache"] + 2**20, h["memory"]
+    if start["memory"]["rss"]: assert h["memory"]["rss"] < start["memory"]["rss"] + 48 * 2**20, (h["memory"]["rss"], start["memory"]["rss"])
+
+def test_api_keys_and_a_prompt_exit_on_sigterm():
+    """SPECNB_API_KEY: wrong or missing key 401 (openai.AuthenticationError), /health open, right key 200; then SIGTERM with a long generation
+    running and one queued: the stream ends with an error event, the queued request gets 503, and the process is gone within 10 s."""
+    key = "sk-specnb-test-0123"
+    with serve_process(env={"SPECNB_API_KEY": key}) as s:
+        wrong = openai.OpenAI(base_url=s.url + "/v1", api_key="sk-wrong-key-999", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as e:
+            wrong.completions.create(model=MODEL, prompt="x", max_tokens=3)
+        assert (e.value.status_code, _error(e)["code"]) == (401, "invalid_api_key") and key not in str(e.value)
+        missing = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        assert missing.status_code == 401 and set(missing.json()["error"]) == {"message", "type", "param", "code"}, missing.text
+        assert httpx.get(s.url + "/health").status_code == 200
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        assert c.completions.create(model=MODEL, prompt="x", max_tokens=3).usage.completion_tokens == 3
+        stream = c.completions.create(model=MODEL, prompt="def f():\n", max_tokens=900, stream=True, extra_body={"logit_bias": NO_EOS})
+        for _, _ in zip(range(3), stream): pass
+        with ThreadPoolExecutor(1) as ex:
+            queued = ex.submit(httpx.post, s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5},
+                               headers={"Authorization": f"Bearer {key}"}, timeout=60)
+            _wait(lambda: httpx.get(s.url + "/health").json()["queue_depth"] == 1, "the second request was not queued")
+            t0 = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(openai.APIError, match="shutting down"):
+                for _ in stream: pass
+            r = queued.result()
+        s.proc.wait(10)
+        took = time.monotonic() - t0
+    assert took < 10, took
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown", r.text

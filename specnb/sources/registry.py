@@ -123,8 +123,8 @@ def check_drafting(kind:str, options:dict, adaptive:bool=False):
     provider = find_kind(kind).make(None, **_given(**dict(options, draft_model=None)))   # no draft model yet
     if adaptive and provider is None: raise ValueError(f"--adaptive adapts the length of a draft; {kind} drafts nothing")
 
-def load_drafting(args):
-    "Check the draft arguments, load the pair and build the provider: `(pair, provider, kind)`; a bad argument is a `ValueError`."
+def load_drafting(args, loader=None):
+    "Check the draft arguments, load the pair (with `loader(target, draft)`, default `load_pair`) and build the provider: `(pair, provider, kind)`; a bad argument is a `ValueError`."
     from specnb.models import load_pair
     kind = draft_kind(args.model, args.draft_model, args.draft_kind, args.draft_head, args.lookup_first)
     if args.num_draft_tokens is not None and kind == "none":
@@ -133,7 +133,7 @@ def load_drafting(args):
     if args.num_draft_tokens < 1: raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
     options = drafting_options(args)
     check_drafting(kind, options, args.adaptive)
-    pair = load_pair(args.model, options.pop("draft_model"))   # without --model: the bundled target, and --draft-model if given
+    pair = (loader or load_pair)(args.model, options.pop("draft_model"))   # without --model: the bundled target, and --draft-model if given
     provider = make_provider(kind, pair.draft if KINDS[kind].needs_draft else None, target=pair.target, adaptive=args.adaptive,
                              num_draft_tokens=args.num_draft_tokens, **options)
     return pair, provider, kind
