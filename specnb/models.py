@@ -6,8 +6,8 @@ Docs: https://specnb.github.io/specnb/models.html.md"""
 
 # %% auto #0
 __all__ = ['BUNDLED', 'PROBE', 'bundled_dir', 'check_tokenizers', 'logits_width', 'check_vocab', 'load_model', 'ModelPair',
-           'load_pair', 'random_model', 'perturbed', 'load_gguf', 'smollm2', 'OPENBLAS', 'blas_in_use', 'openblas_env',
-           'openblas_relaunch']
+           'load_pair', 'random_model', 'perturbed', 'load_gguf', 'smollm2', 'gemma3_270m', 'OPENBLAS', 'blas_in_use',
+           'openblas_env', 'openblas_relaunch']
 
 # %% ../nbs/00_models.ipynb #d3c8e647
 import copy, importlib.resources
@@ -115,6 +115,6 @@ def perturbed(model:nn.Module, noise:float=0.1, seed:int=0)->nn.Module:
     return out
 
 # %% ../nbs/00_models.ipynb #b24919d6
-from .gguf import load_gguf, smollm2
+from .gguf import load_gguf, smollm2, gemma3_270m
 from .blas import OPENBLAS, blas_in_use, openblas_env, openblas_relaunch
-_all_ = ["load_gguf", "smollm2", "OPENBLAS", "blas_in_use", "openblas_env", "openblas_relaunch"]
+_all_ = ["load_gguf", "smollm2", "gemma3_270m", "OPENBLAS", "blas_in_use", "openblas_env", "openblas_relaunch"]
