@@ -91,8 +91,12 @@ def join(self:RaggedKVCache, c:KVCache)->int:
 
 @patch
 def row(self:RaggedKVCache, i:int)->tuple:
-    "Row `i`'s keys and values, `(1, H, ends[i], D)`: what a single-sequence cache holding the same tokens holds."
-    return self.keys[i:i + 1, :, :self.ends[i], :], self.values[i:i + 1, :, :self.ends[i], :]
+    "Row `i`'s keys and values, `(1, H, ends[i], D)`: what a single-sequence cache holding the same tokens holds, copied out."
+    # a copy, evaluated now: a view, or a copy not yet computed, would keep the whole batch's buffer alive in a prompt cache
+    # that counts one row's bytes
+    k, v = mx.contiguous(self.keys[i:i + 1, :, :self.ends[i], :]), mx.contiguous(self.values[i:i + 1, :, :self.ends[i], :])
+    mx.eval(k, v)
+    return k, v
 
 @patch
 def drop(self:RaggedKVCache, i:int):

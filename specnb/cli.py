@@ -52,6 +52,7 @@ def _parser():
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     s.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the model; more get 503 (default 16)")
+    s.add_argument("--max-batch-size", type=int, default=8, help="requests that advance together in one batch (1: one at a time; default 8)")
     s.add_argument("--prompt-cache-size", type=int, default=10, help="conversations kept in the prompt cache; 0 turns it off (default 10)")
     s.add_argument("--max-tokens", type=int, default=512, help="tokens generated when a request names no max_tokens (default 512)")
     s.add_argument("--max-tokens-limit", type=int, default=32768, help="the largest max_tokens a request may ask for (default 32768)")

@@ -6,10 +6,10 @@ Docs: https://specnb.github.io/specnb/serve.html.md"""
 
 # %% auto #0
 __all__ = ['log', 'StopText', 'PromptCache', 'Metrics', 'Footprint', 'measure_footprints', 'parse_bytes', 'default_budget', 'rss',
-           'APIError', 'Job', 'speculation_usage', 'Engine', 'JSONSchemaFormat', 'ResponseFormat', 'StreamOptions',
-           'TextPart', 'Message', 'ChatRequest', 'CompletionRequest', 'count_past', 'check_context', 'encode_within',
-           'chat_prompt', 'completion_prompt', 'asked_tokens', 'make_job', 'make_grammar', 'check_model', 'respond',
-           'Guard', 'make_app', 'bind_warning', 'cmd_serve']
+           'APIError', 'Job', 'speculation_usage', 'batch_limit', 'Engine', 'JSONSchemaFormat', 'ResponseFormat',
+           'StreamOptions', 'TextPart', 'Message', 'ChatRequest', 'CompletionRequest', 'count_past', 'check_context',
+           'encode_within', 'chat_prompt', 'completion_prompt', 'asked_tokens', 'make_job', 'make_grammar',
+           'check_model', 'respond', 'Guard', 'make_app', 'bind_warning', 'cmd_serve']
 
 # %% ../nbs/08_serve.ipynb #28f2cd77
 import asyncio, hmac, ipaddress, json, logging, os, queue, re, sys, threading, time, uuid
@@ -31,6 +31,7 @@ from .rollback import can_rollback, rollback
 from mlx_lm.sample_utils import make_logits_processors
 from .accept import Sampling
 from .executor import spec_stream, spec_generate, context_length
+from .batch import Batch, spec_generate_batch
 from .grammar import from_json_schema, json_object
 from .sources.registry import load_drafting
 from .detok import DecodedText
@@ -103,6 +104,11 @@ class Metrics:
         self.latency = Histogram("specnb_request_seconds", "Time from queueing to the last token", registry=r)
         self.ttft = Histogram("specnb_time_to_first_token_seconds", "Time from queueing to the first token", registry=r)
         self.queue_wait = Histogram("specnb_queue_wait_seconds", "Time a request waited in the queue", registry=r)
+        self.batch_size = Gauge("specnb_batch_size", "Requests in the worker's batch now (--max-batch-size)", registry=r)
+        self.batch_rounds = Histogram("specnb_batch_size_per_round", "Requests in each batched round", registry=r,
+                                      buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64))
+        self.request_tps = Histogram("specnb_request_tokens_per_second", "Each finished request's decode throughput: its tokens over its decode time",
+                                     registry=r, buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000))
 
     def watch_memory(self, memory):
         "Read the memory gauges from `memory()` (a dict of byte counts) at every scrape."
@@ -115,6 +121,7 @@ class Metrics:
         self.prompt_tokens.inc(prompt_tokens); self.cached_tokens.inc(cached); self.generated.inc(st.generated)
         self.drafted.inc(st.drafted); self.accepted.inc(st.accepted)
         self.target_calls.inc(st.target_calls); self.rounds.inc(st.rounds)
+        if st.decode_s: self.request_tps.observe(st.decode_tps)
         for i, (d, a) in enumerate(zip(st.drafted_by_pos, st.accepted_by_pos)):
             if d: self.drafted_at.labels(str(i)).inc(d); self.accepted_at.labels(str(i)).inc(a)
 
@@ -249,12 +256,19 @@ log = logging.getLogger("specnb.serve")
 
 def _least(*limits)->int|None: return min((v for v in limits if v is not None), default=None)
 
+def batch_limit(model, provider, n:int, num_draft_tokens:int=3)->tuple:
+    "`(requests per batch, why not more)`: `n`, or 1 with the reason when batched rounds refuse this target or draft source (tried on two short prompts)."
+    if n <= 1: return 1, None
+    try: spec_generate_batch(model, provider, [[1, 2, 3, 4], [5, 6, 7]], max_tokens=2, num_draft_tokens=max(num_draft_tokens, 1))
+    except ValueError as e: return 1, str(e)
+    return n, None
+
 class Engine:
-    "The model worker: one thread runs queued requests, one at a time, through the executor, within a memory budget."
+    "The model worker: one thread runs queued requests through the executor — one at a time, or up to `max_batch_size` in one `Batch` — within a memory budget."
     def __init__(self, pair, provider=None, *, model_id:str="specnb-bundled", draft_kind:str="two-model", num_draft_tokens:int=3,
                  max_queue:int=16, prompt_cache_size:int=10, max_tokens:int=512, max_tokens_limit:int=32768, temp:float=0.0,
                  acceptance:str="match", max_context:int|None=None, memory_budget:int|None=None, prompt_cache_bytes:int|None=None,
-                 request_timeout:float|None=None, prefill_step_size:int=2048):
+                 request_timeout:float|None=None, prefill_step_size:int=2048, max_batch_size:int=1):
         self.model, self.tokenizer, self.provider = pair.target, pair.tokenizer, provider
         self.model_id, self.draft_kind, self.num_draft_tokens, self.temp, self.acceptance = model_id, draft_kind, num_draft_tokens, temp, acceptance
         self.max_tokens, self.max_tokens_limit, self.request_timeout = max_tokens, max_tokens_limit, request_timeout
@@ -262,12 +276,18 @@ class Engine:
         self.vocab_size = logits_width(self.model)   # right for quantized embeddings too
         self.max_context = _least(context_length(self.model), max_context)
         self.footprints = measure_footprints(self.model, provider, num_draft_tokens)   # also warms MLX's kernels
+        self.max_batch_size, self.not_batched = batch_limit(self.model, provider, max_batch_size, num_draft_tokens)
+        if self.not_batched: log.warning(f"--max-batch-size {max_batch_size}: requests run one at a time: {self.not_batched}")
         self.budget, self.resident = memory_budget or default_budget(), mx.get_active_memory()
         self.jobs = queue.Queue(maxsize=max_queue)
         self.cache = PromptCache(prompt_cache_size, len(make_prompt_cache(self.model)), prompt_cache_bytes or self.budget // 4)
         self.metrics = Metrics()
         self.metrics.watch_memory(self.memory)
         self.held, self.live, self.current, self.closing, self._thread = 0, set(), None, False, None
+        self.active, self.waiting = {}, None   # batched: the jobs in the batch; a job taken from the queue that waits for memory
+
+    def queued(self)->int: return self.jobs.qsize() + (self.waiting is not None)
+    def running(self)->int: return (self.current is not None) + len(self.active)
 
     def memory(self)->dict:
         "The budget and what is held, in bytes, as `/health` and `/metrics` show them."
@@ -317,7 +337,8 @@ class Engine:
 # %% ../nbs/08_serve.ipynb #26ac5717
 @patch
 def _work(self:Engine):
-    "The worker's loop: a job stopped while it waited is answered at once; the others are admitted to the budget and run."
+    "The worker's loop: a job stopped while it waited is answered at once; the others are admitted to the budget and run (batched: `_work_batched`)."
+    if self.max_batch_size > 1: return self._work_batched()
     while (job := self.jobs.get()) is not None:
         self.metrics.queue_depth.set(self.jobs.qsize())
         if job.should_stop(): self._drop(job); continue
@@ -361,40 +382,182 @@ def _emit_text(self:Engine, job:Job, stream)->str|None:
     if delta: job.emit("text", delta)
     return "stop" if hit else None
 
+@dataclass(eq=False)
+class _Run:
+    "A job as the worker runs it: the caches it starts from (a prompt-cache hit holds `n_cached` of its tokens), and, batched, its text so far."
+    job: Job
+    speculate: bool                # it drafts (a draft source, and num_draft_tokens > 0)
+    target_cache: list
+    draft_cache: list | None
+    n_cached: int
+    text: DecodedText | None = None
+    stop: StopText | None = None
+    finish: str | None = None      # set when its text (a stop sequence) or its client ends it
+    @property
+    def space(self)->str: return "spec" if self.speculate else "plain"   # the prompt cache keeps caches with and without a draft apart
+
+@patch
+def _open_run(self:Engine, job:Job)->_Run:
+    "Count the job's wait and find its caches: the prompt cache's longest hit, or new ones."
+    self.metrics.queue_wait.observe(time.perf_counter() - job.queued_at)
+    speculate = self.provider is not None and job.num_draft_tokens > 0
+    target_cache, draft_cache, n_cached = self.cache.fetch("spec" if speculate else "plain", job.prompt)
+    if target_cache is None: target_cache = make_prompt_cache(self.model)   # the executor makes it one speculation can roll back
+    return _Run(job, speculate, target_cache, draft_cache, n_cached)
+
+@patch
+def _options(self:Engine, run:_Run)->dict:
+    "The executor's options for the job: `spec_stream` and `Batch.add` take the same."
+    job = run.job
+    return dict(num_draft_tokens=max(job.num_draft_tokens, 1), max_tokens=job.max_tokens, eos_token_ids=self.tokenizer.eos_token_ids,
+                sampler=job.sampler, logits_processors=job.logits_processors, grammar=job.grammar, prompt_cache=run.target_cache,
+                cached_tokens=job.prompt[:run.n_cached], draft_cache=run.draft_cache, acceptance=job.acceptance,
+                prefill_step_size=self.prefill_step_size, should_stop=job.should_stop)
+
 @patch
 def run(self:Engine, job:Job):
     "Generate one job's tokens (on the calling thread), emitting its events; the prefill stops within a chunk when the job should."
-    m = self.metrics
-    m.queue_wait.observe(time.perf_counter() - job.queued_at)
-    speculate = self.provider is not None and job.num_draft_tokens > 0
-    space = "spec" if speculate else "plain"
-    target_cache, draft_cache, n_cached = self.cache.fetch(space, job.prompt)
-    if target_cache is None: target_cache = make_prompt_cache(self.model)   # the executor makes it one speculation can roll back
+    run = self._open_run(job)
     if job.seed is not None: mx.random.seed(job.seed)
-    stream = spec_stream(self.model, self.provider if speculate else None, job.prompt[n_cached:],
-                         num_draft_tokens=max(job.num_draft_tokens, 1), max_tokens=job.max_tokens,
-                         eos_token_ids=self.tokenizer.eos_token_ids, sampler=job.sampler, logits_processors=job.logits_processors,
-                         grammar=job.grammar, prompt_cache=target_cache, cached_tokens=job.prompt[:n_cached], draft_cache=draft_cache,
-                         acceptance=job.acceptance, prefill_step_size=self.prefill_step_size, should_stop=job.should_stop)
+    stream = spec_stream(self.model, self.provider if run.speculate else None, job.prompt[run.n_cached:], **self._options(run))
     finish = self._emit_text(job, stream)
-    res = stream.result
+    return self._answer(run, stream.result, finish)
+
+@patch
+def _answer(self:Engine, run:_Run, res, finish:str|None):
+    "Keep the job's caches in the prompt cache, count it, and send its last event: done with usage, or the server's error."
+    job, m = run.job, self.metrics
     finish = finish or res.finish_reason or "length"
     whole = res.finish_reason != "cancelled"   # "cancelled" by the executor: a cut-short prefill, a cache holding part of the prompt
-    if whole and (not speculate or res.draft_cache is not None):   # None: the draft was dropped (a sliding window filled)
-        self.cache.insert(space, job.prompt + res.tokens[:res.fed], target_cache, res.draft_cache or [])
+    if whole and (not run.speculate or res.draft_cache is not None):   # None: the draft was dropped (a sliding window filled)
+        self.cache.insert(run.space, job.prompt + res.tokens[:res.fed], run.target_cache, res.draft_cache or [])
     st = res.stats
-    log.info(f"{job.endpoint}: {len(job.prompt)} prompt tokens ({n_cached} cached), {finish}, " + st.summary())
+    log.info(f"{job.endpoint}: {len(job.prompt)} prompt tokens ({run.n_cached} cached), {finish}, " + st.summary())
     if job.error is not None:   # stopped by the server (out of time, shutting down): the client is told why
         m.requests.labels(job.endpoint, job.error.code).inc()
         job.emit("error", job.error)
         return res
     usage = {"prompt_tokens": len(job.prompt), "completion_tokens": len(res.tokens),
-             "total_tokens": len(job.prompt) + len(res.tokens), "prompt_tokens_details": {"cached_tokens": n_cached},
+             "total_tokens": len(job.prompt) + len(res.tokens), "prompt_tokens_details": {"cached_tokens": run.n_cached},
              "speculation": speculation_usage(st)}
-    m.record(job.endpoint, finish, len(job.prompt), n_cached, st)
+    m.record(job.endpoint, finish, len(job.prompt), run.n_cached, st)
     m.latency.observe(time.perf_counter() - job.queued_at)
     job.emit("done", finish, usage)
     return res
+
+
+# %% ../nbs/08_serve.ipynb #b47c1a02
+@patch
+def _token(self:Engine, run:_Run, t:int)->bool:
+    "A batched job's token into its text events, cut at stop sequences; False halts it (a stop sequence, or it should stop)."
+    job = run.job
+    if run.text is None:
+        self.metrics.ttft.observe(time.perf_counter() - job.queued_at)
+        run.text, run.stop = DecodedText(self.tokenizer), StopText(job.stop)
+    run.text.add(t)
+    delta, hit = run.stop.push(run.text.text)
+    if delta: job.emit("text", delta)
+    if hit: run.finish = "stop"
+    elif job.should_stop(): run.finish = "cancelled"
+    return run.finish is None
+
+@patch
+def _hold(self:Engine):
+    "The batch's memory: every row padded to the largest request's footprint."
+    self.held = len(self.active) * max((j.reserved for j in self.active), default=0)
+
+@patch
+def _failed(self:Engine, job:Job, e:Exception):
+    "Answer a job that failed with a 500; the worker goes on."
+    self.metrics.requests.labels(job.endpoint, "error").inc()
+    job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
+    self.live.discard(job)
+
+@patch
+def _join(self:Engine, batch:Batch, job:Job):
+    "Add the job to the batch from its caches (a prompt-cache hit skips that much prefill); its prompt is read a chunk per round."
+    run = self._open_run(job)
+    try: batch.add(job.prompt[run.n_cached:], self.provider if run.speculate else None, id=job, seed=job.seed,
+                   on_token=lambda t: self._token(run, t), **self._options(run))
+    except Exception as e:
+        log.exception("request failed")
+        return self._failed(job, e)
+    self.active[job] = run
+    self._hold()
+    self.metrics.running.inc()
+
+
+# %% ../nbs/08_serve.ipynb #b47c1a03
+@patch
+def _admit(self:Engine, batch:Batch)->bool:
+    "Take queued jobs into the batch while it has room and its memory fits the budget (idle: wait for one); False when told to stop."
+    while len(batch) < self.max_batch_size:
+        job, self.waiting = self.waiting, None
+        if job is None:
+            try: job = self.jobs.get(block=not len(batch) and not batch.early)
+            except queue.Empty: break
+            if job is None: return False
+        if job.should_stop(): self._drop(job); continue
+        jobs = list(self.active) + [job]
+        need = len(jobs) * max(j.reserved for j in jobs)   # rows are padded to the longest
+        if self.active and need > self.budget - self.resident:
+            self.waiting = job   # at the head of the queue, until someone leaves
+            break
+        self.cache.shrink(self.budget - self.resident - need)   # make room: the prompt cache gives way
+        self._join(batch, job)
+    self.metrics.queue_depth.set(self.queued())
+    return True
+
+@patch
+def _end(self:Engine, run:_Run, res, finish:str|None=None):
+    "A job left the batch: flush its text, answer it, free its slot and its memory."
+    job = run.job
+    finish = finish or run.finish
+    if finish is None and run.text is not None:
+        run.text.finish()
+        delta, hit = run.stop.push(run.text.text, final=True)
+        if delta: job.emit("text", delta)
+        finish = "stop" if hit else None
+    try: self._answer(run, res, finish)
+    finally:
+        del self.active[job]
+        self.live.discard(job)
+        self.metrics.running.dec()
+        self._hold()
+
+@patch
+def _remove_stopped(self:Engine, batch:Batch):
+    "Jobs whose client left, whose time ran out, or that the server stopped leave the batch now, between rounds."
+    for job, run in list(self.active.items()):
+        if job.should_stop(): self._end(run, batch.remove(job), "cancelled")
+
+@patch
+def _round(self:Engine, batch:Batch):
+    "One batched round; if it fails, every job in it is answered with a 500 and the batch starts afresh."
+    self.metrics.batch_size.set(len(batch))
+    if batch.rows: self.metrics.batch_rounds.observe(len(batch.rows))
+    try: ended = batch.step()
+    except Exception as e:
+        log.exception("batched round failed")
+        batch.close()
+        for job in list(self.active): self._failed(job, e); del self.active[job]; self.metrics.running.dec()
+        return self._hold()
+    for job, res in ended: self._end(self.active[job], res)
+
+@patch
+def _work_batched(self:Engine):
+    "The batched worker's loop: admit, drop who should stop, one round, answer who ended."
+    batch = Batch(self.model, interleave_prefill=True)
+    try:
+        while self._admit(batch):
+            self._remove_stopped(batch)
+            if len(batch) or batch.early: self._round(batch)
+            self.metrics.batch_size.set(len(batch))
+            if not len(batch) and not self.queued(): mx.clear_cache()   # idle: MLX's kept buffers go back to the system
+    finally:
+        self._remove_stopped(batch)   # stopping: `close` has cancelled them all
+        batch.close()
+
 
 # %% ../nbs/08_serve.ipynb #52bd0707
 class _Body(BaseModel):
@@ -751,7 +914,8 @@ def _add_routes(app:FastAPI, engine:Engine):
     @app.get("/health")
     async def health():
         return {"status": "stopping" if engine.closing else "ok", "model": engine.model_id, "draft_kind": engine.draft_kind,
-                "context_length": engine.max_context, "queue_depth": engine.jobs.qsize(), "running": int(engine.current is not None),
+                "context_length": engine.max_context, "queue_depth": engine.queued(), "running": engine.running(),
+                "batch": {"max_size": engine.max_batch_size, "size": len(engine.active), "not_batched": engine.not_batched},
                 "memory": engine.memory(), "threads": threading.active_count(), "blas": blas_in_use()}
 
     @app.get("/metrics")
@@ -791,14 +955,16 @@ def _limits(args)->dict:
     "The server's limits from the command line, checked before anything is loaded."
     for name, v, lo in (("--port", args.port, 0), ("--max-queue", args.max_queue, 1), ("--prompt-cache-size", args.prompt_cache_size, 0),
                         ("--max-tokens", args.max_tokens, 1), ("--max-tokens-limit", args.max_tokens_limit, args.max_tokens),
-                        ("--max-context", args.max_context, 1), ("--prefill-step-size", args.prefill_step_size, 1)):
+                        ("--max-context", args.max_context, 1), ("--prefill-step-size", args.prefill_step_size, 1),
+                        ("--max-batch-size", args.max_batch_size, 1)):
         if v is not None and v < lo: raise ValueError(f"{name} must be >= {lo}, got {v}")
     if args.port > 65535: raise ValueError(f"--port must be <= 65535, got {args.port}")
     if args.temp < 0: raise ValueError(f"--temp must be >= 0, got {args.temp}")
     if args.request_timeout is not None and args.request_timeout <= 0: raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     size = lambda name, v: None if v is None else parse_bytes(v, name)
     return dict(memory_budget=size("--memory-budget", args.memory_budget), prompt_cache_bytes=size("--prompt-cache-bytes", args.prompt_cache_bytes),
-                max_context=args.max_context, request_timeout=args.request_timeout, prefill_step_size=args.prefill_step_size or 2048)
+                max_context=args.max_context, request_timeout=args.request_timeout, prefill_step_size=args.prefill_step_size or 2048,
+                max_batch_size=args.max_batch_size)
 
 def cmd_serve(args):
     "Run `specnb serve` until interrupted; bad arguments are a `ValueError` before anything is loaded."
@@ -812,7 +978,8 @@ def cmd_serve(args):
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     if (warning := bind_warning(args.host, args.port, key)) is not None: print(warning, file=sys.stderr, flush=True)
     log.info(f"serving {engine.model_id} ({kind} drafting, γ={args.num_draft_tokens}, BLAS {blas_in_use()}) on http://{args.host}:{args.port}; "
-             f"context {engine.max_context}, memory budget {_mib(engine.budget)} ({_mib(engine.resident)} resident)")
+             f"context {engine.max_context}, memory budget {_mib(engine.budget)} ({_mib(engine.resident)} resident), "
+             f"up to {engine.max_batch_size} requests per batch")
     config = uvicorn.Config(make_app(engine, body, key), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)   # a backstop: the requests themselves end within a chunk or a token
     _Server(config, engine).run()

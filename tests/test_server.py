@@ -1,7 +1,8 @@
 """`specnb serve` end to end: the server started as a user starts it (a subprocess on a free loopback port) and driven
 with the official `openai` client — chat and completions, streaming and not, structured output, stop sequences,
 usage.speculation, the prompt cache, concurrency, a disconnect, a full queue, bad input and bad start-up arguments — and a server
-that holds its ground: the context limit, the body size limit, memory admission, a hang-up during a long prefill, API keys, SIGTERM."""
+that holds its ground: the context limit, the body size limit, memory admission, a hang-up during a long prefill, API keys, SIGTERM — and batched
+requests (`--max-batch-size`): each gets the text it gets alone, requests join and leave mid-stream, and 32 clients at once are all answered."""
 import json, re, shutil, signal, socket, subprocess, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -165,8 +166,10 @@ def test_disconnect_stops_generation(client, url):
     assert metric(url, "specnb_running_requests") == 0 and metric(url, "specnb_queue_depth") == 0
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=3).usage.completion_tokens == 3
 
-def test_full_queue_answers_503():
-    with running_server("--max-queue", "1") as u:
+@pytest.mark.parametrize("batch", ["1", "2"])
+def test_full_queue_answers_503(batch):
+    "One at a time, or two in a batch: beyond the running requests and the one waiting, the server answers 503 with Retry-After."
+    with running_server("--max-queue", "1", "--max-batch-size", batch) as u:
         body = {"prompt": "def f():\n", "max_tokens": 400, "logit_bias": NO_EOS}
         def post(_): return httpx.post(u + "/v1/completions", json=body, timeout=300)
         with ThreadPoolExecutor(5) as ex: rs = list(ex.map(post, range(5)))
@@ -296,6 +299,7 @@ def foreign_draft(tmp_path_factory, pair):
     (["--draft-head", "/nonexistent/head"], "no draft head at /nonexistent/head"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
     (["--max-queue", "0"], "--max-queue must be >= 1"),
+    (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
     (["--port", "70000"], "--port must be <= 65535"),
     (["--memory-budget", "lots"], "--memory-budget must be a size such as 512M"),
     (["FOREIGN"], "do not share a tokenizer"),
@@ -520,7 +524,7 @@ def test_nothing_is_left_behind(long_context):
 
 def test_api_keys_and_a_prompt_exit_on_sigterm():
     """SPECNB_API_KEY: wrong or missing key 401 (openai.AuthenticationError), /health open, right key 200; then SIGTERM with a long generation
-    running and one queued: the stream ends with an error event, the queued request gets 503, and the process is gone within 10 s."""
+    running and one queued (or batched beside it): the stream ends with an error event, the second request gets 503, and the process is gone within 10 s."""
     key = "sk-specnb-test-0123"
     with serve_process(env={"SPECNB_API_KEY": key}) as s:
         wrong = openai.OpenAI(base_url=s.url + "/v1", api_key="sk-wrong-key-999", max_retries=0, timeout=60)
@@ -537,7 +541,8 @@ def test_api_keys_and_a_prompt_exit_on_sigterm():
         with ThreadPoolExecutor(1) as ex:
             queued = ex.submit(httpx.post, s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5},
                                headers={"Authorization": f"Bearer {key}"}, timeout=60)
-            _wait(lambda: httpx.get(s.url + "/health").json()["queue_depth"] == 1, "the second request was not queued")
+            on = lambda h: h["queue_depth"] + h["running"]   # batched (the default), the second joins the first's batch instead of waiting
+            _wait(lambda: on(httpx.get(s.url + "/health").json()) == 2, "the second request was neither queued nor running")
             t0 = time.monotonic()
             s.proc.send_signal(signal.SIGTERM)
             with pytest.raises(openai.APIError, match="shutting down"):
@@ -547,3 +552,98 @@ def test_api_keys_and_a_prompt_exit_on_sigterm():
         took = time.monotonic() - t0
     assert took < 10, took
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown", r.text
+
+
+# ---- batched requests (--max-batch-size, default 8: the `client` server batches) ----
+
+BATCH_PROMPTS = ["import os\n", "def add(a, b):\n", "class Node:\n", "for x in ", "while True:\n", "try:\n    ", "# Copyright ", "if __name__"]
+
+def _text(c, stream:bool, **kw)->str:
+    if not stream: return c.completions.create(model=MODEL, **kw).choices[0].text
+    return "".join(x.choices[0].text for x in c.completions.create(model=MODEL, stream=True, **kw) if x.choices)
+
+def test_eight_concurrent_batched_requests_equal_alone(client, url, pair):
+    "8 at once — different prompts, lengths, γ (0: no draft source), two seeded sampled: each text is the one it gets alone, in shared rounds."
+    tok, no_eos = pair.tokenizer, make_logits_processors({0: -100})
+    reqs = [dict(prompt=p, max_tokens=12 + 5 * i, extra_body={"num_draft_tokens": i % 5, "logit_bias": NO_EOS}) for i, p in enumerate(BATCH_PROMPTS)]
+    for i in (3, 6): reqs[i].update(temperature=0.9, top_p=0.95, seed=100 + i)
+    alone = [_text(client, i % 2 == 1, **kw) for i, kw in enumerate(reqs)]
+    rounds, single = metric(url, "specnb_batch_size_per_round_count"), metric(url, "specnb_batch_size_per_round_bucket", le="1.0")
+    with ThreadPoolExecutor(8) as ex: together = list(ex.map(lambda i: _text(client, i % 2 == 1, **reqs[i]), range(8)))
+    assert together == alone
+    for i, kw in enumerate(reqs):
+        if "seed" in kw: continue
+        ref = in_process(pair, tok.encode(kw["prompt"]), kw["max_tokens"], num_draft_tokens=max(i % 5, 1), logits_processors=no_eos)
+        assert alone[i] == tok.decode(ref.tokens), i
+    shared = (metric(url, "specnb_batch_size_per_round_count") - rounds) - (metric(url, "specnb_batch_size_per_round_bucket", le="1.0") - single)
+    assert shared > 0, "no round held more than one request"
+    assert metric(url, "specnb_request_tokens_per_second_count") >= 16 and httpx.get(url + "/health").json()["batch"]["max_size"] == 8
+
+def _idle(u:str)->dict:
+    _wait(lambda: httpx.get(u + "/health").json()["running"] == 0, "the worker is still busy")
+    return httpx.get(u + "/health").json()
+
+def test_join_leave_cancel_full_queue_and_a_follow_up(pair):
+    """Requests arrive mid-stream and end at different lengths, one is cancelled mid-stream, a burst fills the queue: every request is answered
+    (200 or 503), each 200 is its text alone, and a follow-up turn on a cache saved from the batch equals a fresh run."""
+    tok, no_eos = pair.tokenizer, make_logits_processors({0: -100})
+    lengths = [8, 40, 16, 64, 24, 12, 48, 32]
+    with running_server("--max-batch-size", "3", "--max-queue", "2") as u:
+        c = openai.OpenAI(base_url=u + "/v1", api_key="not-needed", max_retries=0, timeout=120)
+        def one(i):
+            time.sleep(0.1 * i)   # each arrives while the others are generating
+            body = {"prompt": BATCH_PROMPTS[i], "max_tokens": lengths[i], "logit_bias": NO_EOS}
+            if i == 1:   # its client leaves after a few chunks
+                with httpx.stream("POST", u + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+                    for _, _ in zip(range(4), r.iter_lines()): pass
+                return r.status_code, None
+            r = httpx.post(u + "/v1/completions", json=body, timeout=120)
+            return r.status_code, r.json()
+        with ThreadPoolExecutor(8) as ex: got = list(ex.map(one, range(8)))
+        assert all(code in (200, 503) for code, _ in got), got
+        for i, (code, body) in enumerate(got):
+            if code != 200 or body is None: continue
+            ref = in_process(pair, tok.encode(BATCH_PROMPTS[i]), lengths[i], logits_processors=no_eos)
+            assert body["choices"][0]["text"] == tok.decode(ref.tokens), i
+        burst = {"prompt": "def f():\n", "max_tokens": 150, "logit_bias": NO_EOS}
+        with ThreadPoolExecutor(8) as ex: rs = list(ex.map(lambda _: httpx.post(u + "/v1/completions", json=burst, timeout=120), range(8)))
+        codes = sorted(r.status_code for r in rs)
+        assert set(codes) == {200, 503} and codes.count(200) >= 3, codes   # three in the batch, two waiting; the rest are told to retry
+        assert all(r.headers["retry-after"] == "1" for r in rs if r.status_code == 503)
+        assert metric(u, "specnb_requests_total", endpoint="completions", finish_reason="cancelled") >= 1
+        msgs = [{"role": "user", "content": "def mean(xs):"}]
+        a1 = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30, extra_body={"logit_bias": NO_EOS})
+        msgs += [{"role": "assistant", "content": a1.choices[0].message.content}, {"role": "user", "content": "And the median?"}]
+        with ThreadPoolExecutor(3) as ex:   # the follow-up runs in a batch beside two others
+            side = [ex.submit(c.completions.create, model=MODEL, prompt=p, max_tokens=40) for p in BATCH_PROMPTS[:2]]
+            a2 = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30, extra_body={"logit_bias": NO_EOS})
+            assert all(f.result().usage.completion_tokens > 0 for f in side)
+        assert a1.usage.prompt_tokens <= a2.usage.prompt_tokens_details.cached_tokens < a2.usage.prompt_tokens
+        fresh = in_process(pair, chat_ids(tok, msgs), 30, logits_processors=no_eos)
+        assert a2.choices[0].message.content == tok.decode(fresh.tokens)
+        h = _idle(u)
+        assert (h["queue_depth"], h["running"], h["memory"]["requests"], h["batch"]["size"]) == (0, 0, 0, 0), h
+
+def test_load_32_clients_all_answered():
+    "32 clients at once on loopback against 8 in a batch and 8 waiting: every request is answered (200 or 503) in bounded time, nothing is left running."
+    with running_server("--max-batch-size", "8", "--max-queue", "8") as u:
+        start = httpx.get(u + "/health").json()
+        body = {"prompt": "def f():\n", "max_tokens": 24, "logit_bias": NO_EOS}
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(32) as ex: rs = list(ex.map(lambda _: httpx.post(u + "/v1/completions", json=body, timeout=120), range(32)))
+        took = time.monotonic() - t0
+        codes = [r.status_code for r in rs]
+        assert set(codes) <= {200, 503} and 200 in codes, codes
+        assert all(r.json()["usage"]["completion_tokens"] == 24 for r in rs if r.status_code == 200)
+        assert len({r.json()["choices"][0]["text"] for r in rs if r.status_code == 200}) == 1   # the same request, the same text
+        assert took < 90, took
+        assert metric(u, "specnb_refused_requests_total", reason="queue_full") == codes.count(503)
+        h = _idle(u)
+        assert (h["status"], h["queue_depth"], h["running"], h["memory"]["requests"]) == ("ok", 0, 0, 0), h
+        assert h["threads"] <= start["threads"] + 8, (h["threads"], start["threads"])
+
+def test_unbatchable_sources_run_one_at_a_time_and_say_so():
+    "An early-exit source reads the target's own caches, which a batch does not lend: the server says so at start-up and serves one at a time."
+    with running_server("--draft-kind", "early-exit", "--exit-layer", "3") as u:
+        b = httpx.get(u + "/health").json()["batch"]
+        assert b["max_size"] == 1 and "early exit" in b["not_batched"], b
