@@ -86,8 +86,8 @@ def test_refusals(arch):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_architecture_sweep(arch):
-    "Every applicable source at two γ of 1..5 drawn per source (a sample, for CI time: all five cost 2.5x), on two windows (8 and 32 where
-    the model slides) and two prefill chunks."
+    """Every applicable source at two γ of 1..5 drawn per source (a sample, for CI time: all five cost 2.5x), on two windows (8 and 32
+    where the model slides) and two prefill chunks."""
     rng = random.Random(100 + ARCHS.index(arch))
     for window in ((8, 32) if windowed(arch) else (16,)):
         prompt = prompt_for(rng, window)
