@@ -13,6 +13,7 @@ __all__ = ['BENCH_TEXTS', 'GROUNDED_TEXTS', 'PROMPT_SETS', 'BENCH_MODELS', 'inte
 import argparse, gc, importlib.metadata, inspect, json, os, platform, statistics, subprocess, textwrap, time
 from pathlib import Path
 from itertools import zip_longest
+from contextlib import nullcontext
 from tqdm import tqdm
 from .executor import spec_generate, generate
 from .oracle import mlx_lm_spec_tokens
@@ -31,6 +32,7 @@ from .tap import Tap
 def interleaved(runs:dict,       # name -> fn(prompt) returning a `SpecResult` (or a token count)
                 prompts:list, repeats:int=3,
                 progress:bool=False, # a progress bar (tqdm, on stderr)
+                tick=None,           # called after every run (a sharded target's watchdog beat)
                )->dict:
     "Run every contender on every prompt in turn, `repeats` times after a warm-up; median tokens/s and pooled stats per contender."
     for f in runs.values(): f(prompts[0])  # warm-up: compile kernels, fill allocator caches
@@ -44,6 +46,7 @@ def interleaved(runs:dict,       # name -> fn(prompt) returning a `SpecResult` (
                 gc.collect()
                 t0 = time.perf_counter(); r = f(p); dt = time.perf_counter() - t0
                 bar.update()
+                if tick is not None: tick()
                 n = r if isinstance(r, int) else len(r.tokens)
                 toks[k] += n; secs[k] += dt
                 if isinstance(r, int): continue
@@ -176,7 +179,7 @@ def run_bench(pair,                                   # a `ModelPair` (`specnb.m
               texts=BENCH_TEXTS,                      # prompts, as text
               max_tokens:int=128, repeats:int=3, mlx_lm:bool=True, exit_layer:int=2,
               draft_head=None,                        # the head source's folder (default: the bundled target's head)
-              progress:bool=False)->dict:
+              progress:bool=False, tick=None)->dict:
     "Plain decoding, every source at every γ and mlx-lm at every γ, interleaved; with the cost fits and each row's bound."
     kinds = [find_kind(s) for s in sources]   # the registry's names: `two-model`, `head+lookup`, ...
     if "none" in sources: raise ValueError("plain decoding always runs (as 'plain'): leave 'none' out of the sources")
@@ -191,7 +194,7 @@ def run_bench(pair,                                   # a `ModelPair` (`specnb.m
         for s in sources:
             runs[f"{s} γ={g}"] = lambda p, s=s, g=g: spec_generate(T, providers[s], p, num_draft_tokens=g, max_tokens=max_tokens)
         if mlx_lm and D is not None: runs[f"mlx-lm γ={g}"] = lambda p, g=g: len(mlx_lm_spec_tokens(T, D, p, g, max_tokens))
-    res = interleaved(runs, prompts, repeats, progress=progress)
+    res = interleaved(runs, prompts, repeats, progress=progress, tick=tick)
     G = max(gammas)
     verify = verify_costs(T, prompts[0], range(1, G + 2))
     drafts = {s: draft_costs(providers[s], T, prompts[0], range(1, G + 1)) for s in sources if not s.endswith("+lookup")}
@@ -218,8 +221,10 @@ def run_bench(pair,                                   # a `ModelPair` (`specnb.m
 def print_bench(result:dict, file=None):
     "The benchmark table: tokens/s, × plain, × mlx-lm at the same γ, acceptance, mean accepted length, target calls per token, bound, efficiency."
     m = result["machine"]
+    split = m.get("distributed")
     print(f"{m['platform']}, {m['cpus']} CPUs, BLAS {m['blas']}, mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, specnb {m['specnb']}"
-          + (f" @ {m['commit']}" if m["commit"] else "") + f", {m['date']}", file=file)
+          + (f" @ {m['commit']}" if m["commit"] else "") + f", {m['date']}"
+          + (f", target split over {split['ranks']} ranks ({split['parallel']} parallel)" if split else ""), file=file)
     print(f"{'contender':18s} {'tok/s':>7s} {'× plain':>8s} {'× mlx-lm':>9s} {'accept':>7s} {'mean len':>9s} {'calls/tok':>10s} {'bound':>6s} {'effic.':>7s}", file=file)
     for r in result["rows"]:
         print(f"{r['name']:18s} {r['tps']:7.1f} {r['x_plain']:7.2f}× {_cell(r['x_mlx_lm'], '8.2f')}{'×' if r['x_mlx_lm'] else ' '} "
@@ -257,11 +262,18 @@ def plot_bench(result:dict, out_dir)->list:
     paths.append(out_dir / "acceptance_by_position.png"); fig.savefig(paths[1], dpi=110); plt.close(fig)
     return paths
 
-def cmd_bench(args):
-    "Run `specnb bench`: print the table, write `bench.json` and the plots to `--out`."
+def _split_sources(sources:list, pipeline:bool, given:bool)->list:
+    "The sources a pipeline-split target can run: early exit and the head read layers other ranks hold (refused when asked for, left out by default)."
+    reads_layers = [s for s in sources if s.split("+")[0] in ("early-exit", "head")]
+    if pipeline and given and reads_layers:
+        raise ValueError(f"the {reads_layers[0]} source reads the target's layers, which --pipeline spreads over the ranks; use tensor parallelism (drop --pipeline)")
+    return [s for s in sources if not (pipeline and s in reads_layers)]
+
+def cmd_bench(args, ranks=None):
+    "Run `specnb bench`: print the table, write `bench.json` and the plots to `--out`. With `ranks` (`--distributed`), every rank runs it and rank 0 reports."
     no_draft = args.model and not args.draft_model   # a target of one's own and no draft: no two-model source, no mlx-lm
     default = [s for s in ("two-model", "ngram", "early-exit", "head") if not (no_draft and KINDS[s].needs_draft)]
-    sources = [s for s in args.sources.split(",") if s] if args.sources else default
+    sources = _split_sources([s for s in args.sources.split(",") if s] if args.sources else default, bool(ranks and ranks.pipeline), bool(args.sources))
     try: gammas = sorted({int(g) for g in args.gammas.split(",") if g})
     except ValueError: raise ValueError(f"--gammas takes integers separated by commas, got {args.gammas!r}") from None
     if args.prompts in PROMPT_SETS: texts = PROMPT_SETS[args.prompts]()
@@ -274,9 +286,14 @@ def cmd_bench(args):
         raise ValueError(f"the {s} source needs a --draft-model for a target other than the bundled one")
     mlx_lm_drafts = not args.no_mlx_lm   # mlx-lm reads --draft-model whatever the sources
     refuse_unread(sources, dict(draft_model=None if mlx_lm_drafts else args.draft_model, exit_layer=args.exit_layer, draft_head=args.draft_head))
-    pair = load_pair(bench_model(args.model), args.draft_model)   # no --model: the bundled target, with --draft-model if given (it must share the tokenizer)
-    result = run_bench(pair, sources, gammas, texts, args.max_tokens, args.repeats, mlx_lm=not args.no_mlx_lm,
-                       exit_layer=2 if args.exit_layer is None else args.exit_layer, draft_head=args.draft_head, progress=True)
+    pair = (ranks.load if ranks else load_pair)(bench_model(args.model), args.draft_model)   # no --model: the bundled target (and --draft-model if given)
+    with ranks.watch() if ranks else nullcontext() as watch:   # split: a rank that stops making progress ends the job with one line
+        result = run_bench(pair, sources, gammas, texts, args.max_tokens, args.repeats, mlx_lm=not args.no_mlx_lm,
+                           exit_layer=2 if args.exit_layer is None else args.exit_layer, draft_head=args.draft_head,
+                           progress=not ranks or ranks.lead, tick=watch.beat if watch else None)
+    if ranks:
+        result["machine"]["distributed"] = dict(ranks=ranks.group.size(), parallel="pipeline" if ranks.pipeline else "tensor")
+        if not ranks.lead: return result   # rank 0 reports; the others measured the same runs with it
     print_bench(result)
     out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=1))

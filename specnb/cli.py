@@ -30,6 +30,12 @@ def _model_args(p):
     p.add_argument("--acceptance", choices=("match", "rejection"), default="match",
                    help="when sampling: keep a draft the target samples too (match), or speculative sampling (rejection: keeps more)")
 
+def _rank_args(p):
+    "The options of a command that can run as one rank of an `mlx.launch` job."
+    p.add_argument("--distributed", action="store_true", help="run as one rank of an mlx.launch job: the target split over the ranks, the draft source whole on each")
+    p.add_argument("--pipeline", action="store_true", help="with --distributed: pipeline parallel (models with mlx-lm's pipeline mixin); default tensor parallel")
+    p.add_argument("--rank-timeout", type=float, default=None, help="with --distributed: seconds without progress before a rank gives up on the others (default 60)")
+
 def _parser():
     p = argparse.ArgumentParser(prog="specnb", description="Speculative decoding for MLX.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -43,9 +49,7 @@ def _parser():
     g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with at least this fraction of the top probability (default 0: off)")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    g.add_argument("--distributed", action="store_true", help="run as one rank of an mlx.launch job: the target split over the ranks, the draft source whole on each")
-    g.add_argument("--pipeline", action="store_true", help="with --distributed: pipeline parallel (models with mlx-lm's pipeline mixin); default tensor parallel")
-    g.add_argument("--rank-timeout", type=float, default=None, help="with --distributed: seconds without progress before a rank gives up on the others (default 60)")
+    _rank_args(g)
     g.add_argument("--no-echo", action="store_true", help="print only the completion, not the prompt before it (dimmed on a terminal)")
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (see specnb.serve)")
     _model_args(s)
@@ -66,6 +70,7 @@ def _parser():
     s.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill forward; a request can stop between them (default 2048)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes (default: $SPECNB_API_KEY; none on loopback)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log level")
+    _rank_args(s)
     b = sub.add_parser("bench", help="benchmark plain decoding, each draft source and mlx-lm on one pair (see specnb.bench)")
     b.add_argument("--model", help="target: a local mlx-lm folder or a hub id (default: the bundled target)")
     b.add_argument("--draft-model", help="draft for the two-model source and mlx-lm (default: the bundled draft with the bundled target)")
@@ -78,6 +83,7 @@ def _parser():
     b.add_argument("--draft-head", help="the head source's folder: a draft head trained for the target (default: the bundled target's head)")
     b.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's speculative_generate_step")
     b.add_argument("--out", default="specnb-bench", help="folder for bench.json and the plots (default ./specnb-bench)")
+    _rank_args(b)
     return p
 
 # %% ../nbs/07a_cli.ipynb #5bce9b31
@@ -99,8 +105,8 @@ def _ranks(args, err):
         given = [f for f, on in (("--pipeline", args.pipeline), ("--rank-timeout", args.rank_timeout is not None)) if on]
         if given: raise ValueError(f"{given[0]} applies with --distributed")
         return None
-    kind = draft_kind(args.model, args.draft_model, args.draft_kind, args.draft_head, args.lookup_first)
-    if args.pipeline and kind.split("+")[0] in ("early-exit", "head"):
+    kind = draft_kind(args.model, args.draft_model, args.draft_kind, args.draft_head, args.lookup_first) if hasattr(args, "draft_kind") else None
+    if args.pipeline and kind is not None and kind.split("+")[0] in ("early-exit", "head"):   # `bench` checks its --sources itself
         raise ValueError(f"--draft-kind {kind} reads the target's layers, which --pipeline spreads over the ranks; use tensor parallelism (drop --pipeline)")
     from specnb.distributed import join
     return join(args.pipeline, 60.0 if args.rank_timeout is None else args.rank_timeout, err)
@@ -152,12 +158,15 @@ def main(argv=None):
     openblas_relaunch()   # on Linux, Debian's OpenBLAS when installed: several times faster fp32 (SPECNB_NO_OPENBLAS=1: off)
     try:
         if args.command == "generate": cmd_generate(args)
-        if args.command == "serve":
+        if args.command == "serve" and (ranks := _ranks(args, sys.stderr)):
+            from specnb.serve_distributed import cmd_serve_ranks   # rank 0 serves HTTP, the other ranks follow it
+            cmd_serve_ranks(args, ranks)
+        elif args.command == "serve":
             from specnb.serve import cmd_serve   # the server's stack (FastAPI, uvicorn) loads only for `serve`
             cmd_serve(args)
         if args.command == "bench":
             from specnb.bench import cmd_bench   # higher up the stack than the CLI: imported only when asked for
-            cmd_bench(args)
+            cmd_bench(args, _ranks(args, sys.stderr))
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"specnb: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -9,7 +9,7 @@ __all__ = ['log', 'StopText', 'PromptCache', 'Metrics', 'Footprint', 'measure_fo
            'APIError', 'Job', 'speculation_usage', 'batch_limit', 'Engine', 'JSONSchemaFormat', 'ResponseFormat',
            'StreamOptions', 'TextPart', 'Message', 'ChatRequest', 'CompletionRequest', 'count_past', 'check_context',
            'encode_within', 'chat_prompt', 'completion_prompt', 'asked_tokens', 'make_job', 'make_grammar',
-           'check_model', 'respond', 'Guard', 'make_app', 'bind_warning', 'cmd_serve']
+           'check_model', 'respond', 'Guard', 'make_app', 'bind_warning', 'engine_options', 'cmd_serve']
 
 # %% ../nbs/08_serve.ipynb #28f2cd77
 import asyncio, hmac, ipaddress, json, logging, os, queue, re, sys, threading, time, uuid
@@ -76,9 +76,9 @@ class PromptCache:
     def nbytes(self)->int: return 0 if self.lru is None else self.lru.nbytes
     def __len__(self)->int: return 0 if self.lru is None else len(self.lru)
 
-    def shrink(self, n_bytes:int):
-        "Evict least-recently-used entries until the rest hold at most `n_bytes`."
-        if self.lru is not None: self.lru.trim_to(n_bytes=max(n_bytes, 0))
+    def shrink(self, n_bytes:int|None=None, n_entries:int|None=None):
+        "Evict least-recently-used entries until the rest hold at most `n_bytes` and number at most `n_entries`."
+        if self.lru is not None: self.lru.trim_to(n_bytes=None if n_bytes is None else max(n_bytes, 0), n_sequences=n_entries)
 
 # %% ../nbs/08_serve.ipynb #cff00b81
 class Metrics:
@@ -215,6 +215,8 @@ class Job:
     queued_at: float = field(default_factory=time.perf_counter)
     error: APIError | None = None # why the server stopped it (its time ran out, the server is stopping); None: finished, or the client left
     reserved: int = 0             # bytes of memory it was admitted with
+    request: object = None        # the parsed body, which a server's other ranks rebuild the job from (--distributed)
+    agree: object = None          # fn(stop: bool) -> bool: this rank's stop decision made every rank's (--distributed); None alone
 
     def __post_init__(self): self._events, self._ready, self._wake_pending = deque(), asyncio.Event(), False
 
@@ -239,11 +241,11 @@ class Job:
         self.cancelled.set()
 
     def should_stop(self)->bool:
-        "The worker's look: has the client gone, the server begun to stop, or the request run out of time?"
+        "The worker's look: has the client gone, the server begun to stop, or the request run out of time? With other ranks: did any rank say stop?"
         if self.timeout is not None and not self.cancelled.is_set() and time.perf_counter() - self.queued_at > self.timeout:
             self.cancel(APIError(504, f"the request ran longer than this server allows ({self.timeout:g} s, --request-timeout)",
                                  type="server_error", code="timeout"))
-        return self.cancelled.is_set()
+        return self.cancelled.is_set() if self.agree is None else self.agree(self.cancelled.is_set())
 
 def speculation_usage(st)->dict:
     "The `usage.speculation` object of a response, from the request's `SpecStats`."
@@ -285,6 +287,7 @@ class Engine:
         self.metrics.watch_memory(self.memory)
         self.held, self.live, self.current, self.closing, self._thread = 0, set(), None, False, None
         self.active, self.waiting = {}, None   # batched: the jobs in the batch; a job taken from the queue that waits for memory
+        self.distributed = None   # with the target split over ranks: what /health shows of them
 
     def queued(self)->int: return self.jobs.qsize() + (self.waiting is not None)
     def running(self)->int: return (self.current is not None) + len(self.active)
@@ -339,24 +342,28 @@ class Engine:
 def _work(self:Engine):
     "The worker's loop: a job stopped while it waited is answered at once; the others are admitted to the budget and run (batched: `_work_batched`)."
     if self.max_batch_size > 1: return self._work_batched()
-    while (job := self.jobs.get()) is not None:
-        self.metrics.queue_depth.set(self.jobs.qsize())
-        if job.should_stop(): self._drop(job); continue
-        self.cache.shrink(self.budget - self.resident - self.held - job.reserved)   # make room: the prompt cache gives way
-        self.held += job.reserved
-        self.current = job
-        self.metrics.running.inc()
-        try: self.run(job)
-        except Exception as e:   # a failed request must not take the worker down
-            log.exception("request failed")
-            self.metrics.requests.labels(job.endpoint, "error").inc()
-            job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
-        finally:
-            self.current = None
-            self.held -= job.reserved
-            self.live.discard(job)
-            self.metrics.running.dec()
-        if self.jobs.empty(): mx.clear_cache()   # idle: the buffers MLX keeps for reuse go back to the system
+    while (job := self.jobs.get()) is not None: self._serve_one(job)
+
+@patch
+def _serve_one(self:Engine, job:Job):
+    "Run one job taken from the queue (one at a time): answered at once if it was stopped while it waited; a failure is its 500, not the worker's end."
+    self.metrics.queue_depth.set(self.jobs.qsize())
+    if job.should_stop(): return self._drop(job)
+    self.cache.shrink(self.budget - self.resident - self.held - job.reserved)   # make room: the prompt cache gives way
+    self.held += job.reserved
+    self.current = job
+    self.metrics.running.inc()
+    try: self.run(job)
+    except Exception as e:   # a failed request must not take the worker down
+        log.exception("request failed")
+        self.metrics.requests.labels(job.endpoint, "error").inc()
+        job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
+    finally:
+        self.current = None
+        self.held -= job.reserved
+        self.live.discard(job)
+        self.metrics.running.dec()
+    if self.jobs.empty(): mx.clear_cache()   # idle: the buffers MLX keeps for reuse go back to the system
 
 @patch
 def _drop(self:Engine, job:Job):
@@ -830,6 +837,7 @@ async def _whole(reply:_Reply, job:Job, request:Request)->dict:
 async def respond(engine:Engine, req:_Sampling, endpoint:str, prompt:list, request:Request):
     "Queue the request's job and answer it: streamed, or as one body."
     job = make_job(engine, req, endpoint, prompt, None)
+    job.request = req
     job.grammar = await run_in_threadpool(make_grammar, engine.tokenizer, req.response_format)   # compiling can take a while
     job.loop = asyncio.get_running_loop()
     engine.submit(job)
@@ -916,6 +924,7 @@ def _add_routes(app:FastAPI, engine:Engine):
         return {"status": "stopping" if engine.closing else "ok", "model": engine.model_id, "draft_kind": engine.draft_kind,
                 "context_length": engine.max_context, "queue_depth": engine.queued(), "running": engine.running(),
                 "batch": {"max_size": engine.max_batch_size, "size": len(engine.active), "not_batched": engine.not_batched},
+                "distributed": engine.distributed,
                 "memory": engine.memory(), "threads": threading.active_count(), "blas": blas_in_use()}
 
     @app.get("/metrics")
@@ -966,14 +975,18 @@ def _limits(args)->dict:
                 max_context=args.max_context, request_timeout=args.request_timeout, prefill_step_size=args.prefill_step_size or 2048,
                 max_batch_size=args.max_batch_size)
 
-def cmd_serve(args):
-    "Run `specnb serve` until interrupted; bad arguments are a `ValueError` before anything is loaded."
+def engine_options(args, kind:str)->dict:
+    "The `Engine`'s options from the command line (after `load_drafting`, which settles `num_draft_tokens`)."
+    return dict(model_id=args.served_model_name or args.model or "specnb-bundled", draft_kind=kind, num_draft_tokens=args.num_draft_tokens,
+                max_queue=args.max_queue, prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens,
+                max_tokens_limit=args.max_tokens_limit, temp=args.temp, acceptance=args.acceptance)
+
+def cmd_serve(args, loader=None, make_engine=Engine):
+    "Run `specnb serve` until interrupted; bad arguments are a `ValueError` before anything is loaded. (`loader`, `make_engine`: a split target's.)"
     limits, body = _limits(args), parse_bytes(args.max_request_bytes, "--max-request-bytes")
     key = args.api_key or os.environ.get("SPECNB_API_KEY") or None
-    pair, provider, kind = load_drafting(args)
-    engine = Engine(pair, provider, model_id=args.served_model_name or args.model or "specnb-bundled", draft_kind=kind,
-                    num_draft_tokens=args.num_draft_tokens, max_queue=args.max_queue, prompt_cache_size=args.prompt_cache_size,
-                    max_tokens=args.max_tokens, max_tokens_limit=args.max_tokens_limit, temp=args.temp, acceptance=args.acceptance, **limits)
+    pair, provider, kind = load_drafting(args, loader=loader)
+    engine = make_engine(pair, provider, **engine_options(args, kind), **limits)
     json_object(pair.tokenizer)   # builds xgrammar's tables for this tokenizer now, not on the first structured request
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     if (warning := bind_warning(args.host, args.port, key)) is not None: print(warning, file=sys.stderr, flush=True)
