@@ -199,8 +199,8 @@ def _own_rng(w):
 
 # %% ../nbs/07e_batch.ipynb #9807f801
 def _drafts_together(src)->bool:
-    "Can this source draft in a batched forward? A two-model source without logits processors, grammar or `p_min` (they step per request)."
-    return type(src) is TwoModelSource and src.procs is None and src.grammar is None and src.p_min is None and _batchable(src.model)
+    "Can this source draft in a batched forward? A two-model source without a grammar or `p_min` (they step per request, with a host sync)."
+    return type(src) is TwoModelSource and src.grammar is None and src.p_min is None and _batchable(src.model)
 
 class _DraftGroup:
     "The caches of one draft model for the requests whose sources draft together: one draft forward per step for all of them."
@@ -219,6 +219,13 @@ class _DraftGroup:
         src.cache = own
 
 # %% ../nbs/07e_batch.ipynb #79557d3c
+def _processed(src, logits:mx.array, read:mx.array)->mx.array:
+    "A row's draft logits through its source's logits processors, its history grown by the tokens just `read` (as the source's own `_logits`)."
+    if not src.procs: return logits
+    src.history = mx.concatenate([src.history, read])
+    for p in src.procs: logits = p(src.history, logits)
+    return logits
+
 def _draft_group(group:_DraftGroup, ws:list, ns:list)->list:
     "The drafts of `group`'s requests `ws` (in row order), `ns[i]` for the i-th: what each source's own `draft` would propose, in one forward per step."
     feeds, outs = [w.r.feed for w in ws], [[] for _ in ws]
@@ -233,8 +240,9 @@ def _draft_group(group:_DraftGroup, ws:list, ns:list)->list:
         else: logits = logits[:, -1]
         for i, w in enumerate(ws):
             if s >= ns[i]: continue   # done: it reads its last draft again, and gives it back below
-            with _own_rng(w): outs[i].append(sample_positions(logits[i:i + 1], w.r.source.sampler))
-            w.r.source.logits.append(logits[i:i + 1])
+            row = _processed(w.r.source, logits[i:i + 1], mx.array(feeds[i], mx.uint32) if s == 0 else outs[i][-1])
+            with _own_rng(w): outs[i].append(sample_positions(row, w.r.source.sampler))
+            w.r.source.logits.append(row)
         x = mx.stack([o[-1] for o in outs])
         mx.async_eval(x)
     for layer in group.cache: layer.ends = [e - (max(ns) - n) for e, n in zip(layer.ends, ns)]   # each read its feed and n-1 drafts
