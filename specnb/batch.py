@@ -8,7 +8,7 @@ Docs: https://specnb.github.io/specnb/batch.html.md"""
 __all__ = ['RaggedKVCache', 'RowCache', 'check_batchable', 'Batch', 'spec_generate_batch', 'batch_throughput']
 
 # %% ../nbs/07e_batch.ipynb #6a448f72
-import time
+import statistics, time
 from contextlib import contextmanager
 from dataclasses import dataclass
 import mlx.core as mx
@@ -497,16 +497,18 @@ def spec_generate_batch(model,                   # the target: an mlx-lm model w
 @delegates(spec_options)
 def batch_throughput(model, providers, prompts:list,
                      sizes=(1, 2, 4, 8),  # batch sizes to measure, each against the same requests one at a time
+                     repeats:int=1,       # rounds of runs, interleaved (one at a time, then each size); the median run is kept
                      **kwargs)->list:
-    "Aggregate decode tokens/s of `prompts` one at a time (`spec_generate`), then batched at each of `sizes`: one dict per run."
+    "Aggregate decode tokens/s of `prompts` one at a time (`spec_generate`), then batched at each of `sizes`: one dict per contender, median of `repeats`."
     providers = _per_prompt("providers", providers, len(prompts))
-    def timed(f):
-        t = time.perf_counter()
-        res = f()
-        return sum(len(r.tokens) for r in res), time.perf_counter() - t
-    n, s = timed(lambda: [spec_generate(model, p, x, **kwargs) for p, x in zip(providers, prompts)])
-    rows = [dict(batch="one at a time", tokens=n, seconds=s, tps=n / s, speedup=1.0)]
-    for b in sizes:
-        m, t = timed(lambda: spec_generate_batch(model, providers, prompts, max_batch_size=b, **kwargs))
-        rows.append(dict(batch=b, tokens=m, seconds=t, tps=m / t, speedup=(m / t) / (n / s)))
+    runs = {"one at a time": lambda: [spec_generate(model, p, x, **kwargs) for p, x in zip(providers, prompts)],
+            **{b: lambda b=b: spec_generate_batch(model, providers, prompts, max_batch_size=b, **kwargs) for b in sizes}}
+    seen = {k: [] for k in runs}
+    for _ in range(repeats):
+        for k, f in runs.items():
+            t = time.perf_counter()
+            n = sum(len(r.tokens) for r in f())
+            seen[k].append((n / (time.perf_counter() - t), n))
+    rows = [dict(batch=k, tokens=statistics.median_low(v)[1], tps=statistics.median_low(v)[0]) for k, v in seen.items()]
+    for r in rows: r["speedup"] = r["tps"] / rows[0]["tps"]
     return rows
