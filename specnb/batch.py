@@ -277,6 +277,7 @@ class Batch:
         check_batchable(model)
         self.model, self.draft_together, self.interleave_prefill = model, draft_together, interleave_prefill
         self.rows, self.reading, self.early, self.slots, self.groups, self._n = [], [], [], [], {}, 0
+        self.failed = []   # `(id, exception)` of the requests whose own part of the last round raised
         self.cache = [RaggedKVCache() for _ in make_prompt_cache(model)]
 
     def __len__(self): return len(self.rows) + len(self.reading)   # requests holding a slot, their prompts read or not
@@ -362,7 +363,9 @@ def _drafts(self:Batch)->list:
     for w in self.rows:
         if w.plain: plans[id(w)] = [], 0
         elif (g := self._group(w)) is not None: grouped.setdefault(id(g), (g, []))[1].append(w)
-        else: plans[id(w)] = _draft_alone(w, w.budget())
+        else:
+            try: plans[id(w)] = _draft_alone(w, w.budget())
+            except Exception as e: self._fail(w, e)
     for g, ws in grouped.values():
         ws.sort(key=lambda w: w.draft_row[0].index)
         ns = [w.budget() for w in ws]
@@ -425,14 +428,38 @@ def _leave(self:Batch, w:_Row):
     _finish(r, w.t1)
 
 @patch
+def _fail(self:Batch, w:_Row, e:Exception):
+    "Take out a request whose own part of the round raised (its drafting alone, its walk, its emission): nothing of it is kept; the others go on."
+    if w.group is not None: w.group.leave(w.r.source, *w.draft_row)
+    _take_back(w.own, self.cache, self.slots, w.slot)
+    if w.r.source is not None: w.r.source.close()
+    self.rows.remove(w)
+    self.failed.append((w.id, e))
+
+@patch
+def _try_read(self:Batch, q:_Reading)->bool:
+    "`_read`, with a request whose prompt cannot be read taken out as failed."
+    try: return self._read(q)
+    except Exception as e:
+        if q.r.source is not None: q.r.source.close()
+        self.failed.append((q.id, e))
+        return True
+
+@patch
 def step(self:Batch)->list:
-    "One round: each request drafts, ONE target forward verifies them all, each walks, emits and rolls back. Returns `(id, SpecResult)` of those that ended."
-    self.reading = [q for q in self.reading if not self._read(q)]   # each new request reads one more chunk, and joins when done
+    "One round: each request drafts, ONE target forward verifies them all, each walks, emits and rolls back. Returns `(id, SpecResult)` of those that ended; `failed` lists those whose own part raised."
+    self.failed = []
+    self.reading = [q for q in self.reading if not self._try_read(q)]   # each new request reads one more chunk, and joins when done
     early, self.early = self.early, []   # cut short while reading their prompts
     if not self.rows: return early
     plans = self._drafts()
-    logits = self._verify(plans)
-    ended = [w for w, (drafts, d), lg in zip(list(self.rows), plans, logits) if _walk(w, lg, drafts, d)]
+    if not self.rows: return early   # every request failed its drafting
+    logits = self._verify(plans)     # shared: if it raises, the whole round does
+    ended = []
+    for w, (drafts, d), lg in zip(list(self.rows), plans, logits):
+        try:
+            if _walk(w, lg, drafts, d): ended.append(w)
+        except Exception as e: self._fail(w, e)
     for w in ended: self._leave(w)
     return early + [(w.id, w.r.res) for w in ended]
 
@@ -488,6 +515,7 @@ def spec_generate_batch(model,                   # the target: an mlx-lm model w
                 i = queue.pop(0)
                 batch.add(prompts[i], providers[i], id=i, seed=seeds[i], **{**kwargs, **options[i]})
             results.update(batch.step())
+            if batch.failed: raise batch.failed[0][1]   # offline, a request that fails is the call's error
     except BaseException:
         batch.close()
         raise

@@ -540,7 +540,7 @@ def _remove_stopped(self:Engine, batch:Batch):
 
 @patch
 def _round(self:Engine, batch:Batch):
-    "One batched round; if it fails, every job in it is answered with a 500 and the batch starts afresh."
+    "One batched round: a job whose own part failed is answered with a 500 and the others go on; if a shared forward fails, every job in it is, and the batch starts afresh."
     self.metrics.batch_size.set(len(batch))
     if batch.rows: self.metrics.batch_rounds.observe(len(batch.rows))
     try: ended = batch.step()
@@ -549,6 +549,12 @@ def _round(self:Engine, batch:Batch):
         batch.close()
         for job in list(self.active): self._failed(job, e); del self.active[job]; self.metrics.running.dec()
         return self._hold()
+    for job, e in batch.failed:
+        log.error("request failed", exc_info=e)
+        self._failed(job, e)
+        del self.active[job]
+        self.metrics.running.dec()
+    if batch.failed: self._hold()
     for job, res in ended: self._end(self.active[job], res)
 
 @patch
