@@ -415,28 +415,25 @@ def _walk(w:_Row, logits:mx.array, drafts, d:int)->bool:
 
 # %% ../nbs/07e_batch.ipynb #1a336031
 @patch
-def _release(self:Batch, w:_Row):
-    "Take the request's rows out of the batch — the target's, and its draft group's — and give it back its own caches."
-    if w.group is not None: w.group.leave(w.r.source, *w.draft_row)
-    _take_back(w.own, self.cache, self.slots, w.slot)
-    w.r.cache = w.own
-    self.rows.remove(w)
-
-@patch
 def _leave(self:Batch, w:_Row):
     "Take the request out: check the cache invariant, give its caches back (a prompt cache keeps them), close its source and count."
     r = w.r
     held = len(r.full) + r.res.fed
     if r.cache[0].offset != held:
         raise RuntimeError(f"request {w.id!r}: its row holds {r.cache[0].offset} tokens, not the {held} of its prompt and fed tokens")
-    self._release(w)
+    if w.group is not None: w.group.leave(r.source, *w.draft_row)
+    _take_back(w.own, self.cache, self.slots, w.slot)
+    r.cache = w.own
+    self.rows.remove(w)
     _finish(r, w.t1)
 
 @patch
 def _fail(self:Batch, w:_Row, e:Exception):
     "Take out a request whose own part of the round raised (its drafting alone, its walk, its emission): nothing of it is kept; the others go on."
-    self._release(w)
+    if w.group is not None: w.group.leave(w.r.source, *w.draft_row)
+    _take_back(w.own, self.cache, self.slots, w.slot)
     if w.r.source is not None: w.r.source.close()
+    self.rows.remove(w)
     self.failed.append((w.id, e))
 
 @patch

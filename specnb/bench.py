@@ -27,7 +27,6 @@ from .window import make_spec_cache
 from .sources.base import TargetView
 from .sources.registry import KINDS, find_kind, make_provider, refuse_unread
 from .tap import Tap
-from .distributed import check_pipeline, reads_target_layers
 
 # %% ../nbs/09_bench.ipynb #413c8384
 def interleaved(runs:dict,       # name -> fn(prompt) returning a `SpecResult` (or a token count)
@@ -265,9 +264,10 @@ def plot_bench(result:dict, out_dir)->list:
 
 def _split_sources(sources:list, pipeline:bool, given:bool)->list:
     "The sources a pipeline-split target can run: early exit and the head read layers other ranks hold (refused when asked for, left out by default)."
-    if given:
-        for s in sources: check_pipeline(s, pipeline, f"the {s} source")
-    return [s for s in sources if not (pipeline and reads_target_layers(s))]
+    reads_layers = [s for s in sources if s.split("+")[0] in ("early-exit", "head")]
+    if pipeline and given and reads_layers:
+        raise ValueError(f"the {reads_layers[0]} source reads the target's layers, which --pipeline spreads over the ranks; use tensor parallelism (drop --pipeline)")
+    return [s for s in sources if not (pipeline and s in reads_layers)]
 
 def cmd_bench(args, ranks=None):
     "Run `specnb bench`: print the table, write `bench.json` and the plots to `--out`. With `ranks` (`--distributed`), every rank runs it and rank 0 reports."

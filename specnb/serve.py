@@ -9,7 +9,7 @@ __all__ = ['log', 'StopText', 'PromptCache', 'Metrics', 'Footprint', 'measure_fo
            'APIError', 'Job', 'speculation_usage', 'batch_limit', 'Engine', 'JSONSchemaFormat', 'ResponseFormat',
            'StreamOptions', 'TextPart', 'Message', 'ChatRequest', 'CompletionRequest', 'count_past', 'check_context',
            'encode_within', 'chat_prompt', 'completion_prompt', 'asked_tokens', 'make_job', 'make_grammar',
-           'check_model', 'respond', 'Guard', 'make_app', 'bind_warning', 'build_engine', 'cmd_serve']
+           'check_model', 'respond', 'Guard', 'make_app', 'bind_warning', 'engine_options', 'cmd_serve']
 
 # %% ../nbs/08_serve.ipynb #28f2cd77
 import asyncio, hmac, ipaddress, json, logging, os, queue, re, sys, threading, time, uuid
@@ -345,12 +345,10 @@ def _work(self:Engine):
     while (job := self.jobs.get()) is not None: self._serve_one(job)
 
 @patch
-def _serve_one(self:Engine, job:Job)->bool:
-    "Run one job taken from the queue (one at a time): answered at once if it was stopped while it waited (False); a failure is its 500, not the worker's end."
+def _serve_one(self:Engine, job:Job):
+    "Run one job taken from the queue (one at a time): answered at once if it was stopped while it waited; a failure is its 500, not the worker's end."
     self.metrics.queue_depth.set(self.jobs.qsize())
-    if job.should_stop():
-        self._drop(job)
-        return False
+    if job.should_stop(): return self._drop(job)
     self.cache.shrink(self.budget - self.resident - self.held - job.reserved)   # make room: the prompt cache gives way
     self.held += job.reserved
     self.current = job
@@ -358,14 +356,14 @@ def _serve_one(self:Engine, job:Job)->bool:
     try: self.run(job)
     except Exception as e:   # a failed request must not take the worker down
         log.exception("request failed")
-        self._failed(job, e)
+        self.metrics.requests.labels(job.endpoint, "error").inc()
+        job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
     finally:
         self.current = None
         self.held -= job.reserved
         self.live.discard(job)
         self.metrics.running.dec()
     if self.jobs.empty(): mx.clear_cache()   # idle: the buffers MLX keeps for reuse go back to the system
-    return True
 
 @patch
 def _drop(self:Engine, job:Job):
@@ -477,11 +475,10 @@ def _hold(self:Engine):
 
 @patch
 def _failed(self:Engine, job:Job, e:Exception):
-    "Answer a job that failed with a 500 (taking it out of the batch, if it was in one); the worker goes on."
+    "Answer a job that failed with a 500; the worker goes on."
     self.metrics.requests.labels(job.endpoint, "error").inc()
     job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
     self.live.discard(job)
-    if self.active.pop(job, None) is not None: self.metrics.running.dec()
 
 @patch
 def _join(self:Engine, batch:Batch, job:Job):
@@ -550,11 +547,13 @@ def _round(self:Engine, batch:Batch):
     except Exception as e:
         log.exception("batched round failed")
         batch.close()
-        for job in list(self.active): self._failed(job, e)
+        for job in list(self.active): self._failed(job, e); del self.active[job]; self.metrics.running.dec()
         return self._hold()
     for job, e in batch.failed:
         log.error("request failed", exc_info=e)
         self._failed(job, e)
+        del self.active[job]
+        self.metrics.running.dec()
     if batch.failed: self._hold()
     for job, res in ended: self._end(self.active[job], res)
 
@@ -982,20 +981,19 @@ def _limits(args)->dict:
                 max_context=args.max_context, request_timeout=args.request_timeout, prefill_step_size=args.prefill_step_size or 2048,
                 max_batch_size=args.max_batch_size)
 
-def build_engine(args, loader=None, make_engine=Engine)->tuple:
-    "`(engine, draft kind, body limit)` from the command line: every limit checked before anything loads, then the pair, its drafting and xgrammar's tables."
-    limits, body = _limits(args), parse_bytes(args.max_request_bytes, "--max-request-bytes")
-    pair, provider, kind = load_drafting(args, loader=loader)   # settles num_draft_tokens
-    engine = make_engine(pair, provider, model_id=args.served_model_name or args.model or "specnb-bundled", draft_kind=kind,
-                         num_draft_tokens=args.num_draft_tokens, max_queue=args.max_queue, prompt_cache_size=args.prompt_cache_size,
-                         max_tokens=args.max_tokens, max_tokens_limit=args.max_tokens_limit, temp=args.temp, acceptance=args.acceptance, **limits)
-    json_object(pair.tokenizer)   # builds xgrammar's tables for this tokenizer now, not on the first structured request
-    return engine, kind, body
+def engine_options(args, kind:str)->dict:
+    "The `Engine`'s options from the command line (after `load_drafting`, which settles `num_draft_tokens`)."
+    return dict(model_id=args.served_model_name or args.model or "specnb-bundled", draft_kind=kind, num_draft_tokens=args.num_draft_tokens,
+                max_queue=args.max_queue, prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens,
+                max_tokens_limit=args.max_tokens_limit, temp=args.temp, acceptance=args.acceptance)
 
 def cmd_serve(args, loader=None, make_engine=Engine):
     "Run `specnb serve` until interrupted; bad arguments are a `ValueError` before anything is loaded. (`loader`, `make_engine`: a split target's.)"
+    limits, body = _limits(args), parse_bytes(args.max_request_bytes, "--max-request-bytes")
     key = args.api_key or os.environ.get("SPECNB_API_KEY") or None
-    engine, kind, body = build_engine(args, loader, make_engine)
+    pair, provider, kind = load_drafting(args, loader=loader)
+    engine = make_engine(pair, provider, **engine_options(args, kind), **limits)
+    json_object(pair.tokenizer)   # builds xgrammar's tables for this tokenizer now, not on the first structured request
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     if (warning := bind_warning(args.host, args.port, key)) is not None: print(warning, file=sys.stderr, flush=True)
     log.info(f"serving {engine.model_id} ({kind} drafting, γ={args.num_draft_tokens}, BLAS {blas_in_use()}) on http://{args.host}:{args.port}; "

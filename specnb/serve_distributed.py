@@ -13,7 +13,9 @@ from functools import partial
 import mlx.core as mx
 from fastcore.basics import patch_to
 from .distributed import share, agree, on_peer_exit, Watchdog
-from .serve import Engine, Job, ChatRequest, CompletionRequest, make_job, make_grammar, build_engine, cmd_serve, log
+from .grammar import json_object
+from .sources.registry import load_drafting
+from .serve import (Engine, Job, ChatRequest, CompletionRequest, make_job, make_grammar, cmd_serve, engine_options, parse_bytes, _limits, log)
 
 # %% ../nbs/08b_serve_distributed.ipynb #8b000007
 def idle_tick(n:int)->float:
@@ -90,7 +92,7 @@ def _work(self):
         time.sleep(max(due - time.monotonic(), 0))   # the others look at `due`: meet them then, rather than spin waiting in a collective
         if job is None: return share(None, self.group)
         if job is False: share({}, self.group)
-        elif not self._serve_one(job): continue      # stopped while it waited: nothing was said, so the schedule stands
+        else: self._serve_one(job)                   # shares the job, unless it was stopped while it waited
         idle = idle + 1 if job is False else 0
         due = time.monotonic() + idle_tick(idle)
 
@@ -122,6 +124,9 @@ def cmd_serve_ranks(args, ranks):
     "`specnb serve --distributed`: rank 0 serves HTTP with a `RankEngine`; every other rank loads the same and follows it."
     make = partial(RankEngine, ranks=ranks)
     if ranks.lead: return cmd_serve(args, loader=ranks.load, make_engine=make)
+    limits, _ = _limits(args), parse_bytes(args.max_request_bytes, "--max-request-bytes")   # the checks rank 0 makes, so a bad value ends every rank
     logging.basicConfig(level=args.log_level.upper(), format=f"%(levelname)s:     rank {ranks.rank}: %(name)s: %(message)s")
-    engine, _, _ = build_engine(args, ranks.load, make)   # the checks and loading rank 0 does, so a bad value ends every rank
+    pair, provider, kind = load_drafting(args, loader=ranks.load)
+    engine = make(pair, provider, **engine_options(args, kind), **limits)
+    json_object(pair.tokenizer)
     follow(engine)
