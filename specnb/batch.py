@@ -9,7 +9,6 @@ __all__ = ['RaggedKVCache', 'RowCache', 'check_batchable', 'Batch', 'spec_genera
 
 # %% ../nbs/07e_batch.ipynb #6a448f72
 import statistics, time
-from contextlib import contextmanager
 from dataclasses import dataclass
 import mlx.core as mx
 from fastcore.basics import patch
@@ -19,7 +18,7 @@ from .prefill import prefill_drain
 from .rollback import _leaves
 from .window import SpecRotatingKVCache
 from .sources.base import TargetView
-from .accept import sample_positions
+from .accept import sample_positions, RandomStream
 from .sources.two_model import TwoModelSource
 from .executor import SpecResult, spec_generate, spec_options, _open, _prefill, _draft, _accept, _emit, _advance, _finish
 
@@ -178,25 +177,6 @@ class _Blind:
                              "route them yet: use spec_generate for it")
         return src
 
-# %% ../nbs/07e_batch.ipynb #30f93167
-def _key()->int:
-    "The global random key as the seed that recreates it (`mx.random.seed(s)` sets the key `[s >> 32, s & 0xffffffff]`)."
-    hi, lo = mx.random.state[0].tolist()
-    return hi << 32 | lo
-
-@contextmanager
-def _own_rng(w):
-    "Draw `w`'s random numbers from its own key, as if it ran alone from `mx.random.seed(seed)`; the global key is left as it was."
-    if w.key is None:
-        yield
-        return
-    outer = _key()
-    mx.random.seed(w.key)
-    try: yield
-    finally:
-        w.key = _key()
-        mx.random.seed(outer)
-
 # %% ../nbs/07e_batch.ipynb #9807f801
 def _drafts_together(src)->bool:
     "Can this source draft in a batched forward? A two-model source without a grammar or `p_min` (they step per request, with a host sync)."
@@ -226,9 +206,16 @@ def _processed(src, logits:mx.array, read:mx.array)->mx.array:
     for p in src.procs: logits = p(src.history, logits)
     return logits
 
-def _draft_group(group:_DraftGroup, ws:list, ns:list)->list:
-    "The drafts of `group`'s requests `ws` (in row order), `ns[i]` for the i-th: what each source's own `draft` would propose, in one forward per step."
-    feeds, outs = [w.r.feed for w in ws], [[] for _ in ws]
+def _sample_row(w, logits:mx.array, read:mx.array)->mx.array:
+    "One row's next draft from its logits, through its own processors and random stream (what its source's `draft` does)."
+    row = _processed(w.r.source, logits, read)
+    with w.rng: t = sample_positions(row, w.r.source.sampler)
+    w.r.source.logits.append(row)
+    return t
+
+def _draft_group(group:_DraftGroup, ws:list, ns:list)->tuple:
+    "`(drafts, failed)`: the drafts of `group`'s requests `ws` (in row order), `ns[i]` for the i-th — what each source's own `draft` would propose, in one forward per step — and `{i: exception}` for a row whose own part raised."
+    feeds, outs, failed = [w.r.feed for w in ws], [[] for _ in ws], {}
     width = max(map(len, feeds))
     x = mx.array([f + [0] * (width - len(f)) for f in feeds], mx.uint32)
     for w in ws: w.r.source.logits = []
@@ -240,13 +227,16 @@ def _draft_group(group:_DraftGroup, ws:list, ns:list)->list:
         else: logits = logits[:, -1]
         for i, w in enumerate(ws):
             if s >= ns[i]: continue   # done: it reads its last draft again, and gives it back below
-            row = _processed(w.r.source, logits[i:i + 1], mx.array(feeds[i], mx.uint32) if s == 0 else outs[i][-1])
-            with _own_rng(w): outs[i].append(sample_positions(row, w.r.source.sampler))
-            w.r.source.logits.append(row)
-        x = mx.stack([o[-1] for o in outs])
+            try:
+                if i in failed: raise failed[i]
+                outs[i].append(_sample_row(w, logits[i:i + 1], mx.array(feeds[i], mx.uint32) if s == 0 else outs[i][-1]))
+            except Exception as e:    # its own processors or sampler: it reads a placeholder until the group is done, then leaves
+                failed[i] = e
+                outs[i].append(mx.zeros((1,), mx.uint32))
+        x = mx.stack([o[-1].astype(mx.uint32) for o in outs])
         mx.async_eval(x)
     for layer in group.cache: layer.ends = [e - (max(ns) - n) for e, n in zip(layer.ends, ns)]   # each read its feed and n-1 drafts
-    return [mx.concatenate(o) for o in outs]
+    return [mx.concatenate(o) for o in outs], failed
 
 # %% ../nbs/07e_batch.ipynb #8be2ee67
 @dataclass
@@ -256,7 +246,7 @@ class _Row:
     r: object                  # the executor's `_Request`
     slot: _Slot                # its row in the target's batched caches
     own: list                  # the single-sequence caches it was prefilled in (a prompt cache gets its row back)
-    key: int | None = None     # its random key, as a seed (None: the global one)
+    rng: RandomStream = None   # its own random numbers
     on_token: object = None    # called with each token id; returning False halts it
     first_plain: bool = False  # a one-token prompt: its first round is a plain step, as in `spec_generate`
     t1: float = 0.0            # when its decoding began
@@ -289,7 +279,7 @@ class _Reading:
     "A request still reading its prompt on its own caches."
     id: object
     r: object             # the executor's `_Request`
-    seed: int | None
+    rng: RandomStream     # its own random numbers: its seed's, or the global key's
     on_token: object
     t0: float             # when it began reading
     done: int = 0         # prompt tokens read
@@ -298,15 +288,16 @@ class _Reading:
 @delegates(spec_options)
 def add(self:Batch, prompt, provider=None, *,
         id=None,        # the request's name in `step`'s results (default: 0, 1, 2, ... in order of joining)
-        seed=None,      # its own random seed: it samples as `mx.random.seed(seed)` then `spec_generate` would
+        seed=None,      # its own random seed, in [0, 2**64): it samples as `mx.random.seed(seed)` then `spec_generate` would
         on_token=None,  # called with each token id as it is emitted; returning False halts the request
         **kwargs):
     "Open a request as `spec_generate` does and read its prompt on its own caches (now, or a chunk per round); returns its id."
     id = self._n if id is None else id
     if any(x.id == id for x in self.rows + self.reading): raise ValueError(f"a request {id!r} is already in the batch: give each request its own id")
+    rng = RandomStream(seed)   # a bad seed is refused here, before anything is opened
     self._n += 1
     r = _open(self.model, _Blind(provider) if provider is not None else None, prompt, SpecResult(), spec_options(**kwargs))
-    q = _Reading(id, r, seed, on_token, time.perf_counter())
+    q = _Reading(id, r, rng, on_token, time.perf_counter())
     if self.interleave_prefill: self.reading.append(q)
     else:
         while not self._read(q): pass
@@ -337,7 +328,7 @@ def _join(self:Batch, q:_Reading):
     r = q.r
     r.res.stats.prefill_s = time.perf_counter() - q.t0
     slot = _Slot(len(self.slots))
-    w = _Row(q.id, r, slot, r.cache, q.seed, q.on_token, len(r.full) == 1, time.perf_counter())
+    w = _Row(q.id, r, slot, r.cache, q.rng, q.on_token, len(r.full) == 1, time.perf_counter())
     r.cache = _lend(r.cache, self.cache, slot)
     self.slots.append(slot)
     self.rows.append(w)
@@ -345,7 +336,7 @@ def _join(self:Batch, q:_Reading):
 # %% ../nbs/07e_batch.ipynb #fdbb1c48
 def _draft_alone(w:_Row, n:int)->tuple:
     "The executor's own draft phase, on the request's random key."
-    with _own_rng(w): return _draft(w.r, n)
+    with w.rng: return _draft(w.r, n)
 
 @patch
 def _group(self:Batch, w:_Row)->_DraftGroup|None:
@@ -369,7 +360,9 @@ def _drafts(self:Batch)->list:
     for g, ws in grouped.values():
         ws.sort(key=lambda w: w.draft_row[0].index)
         ns = [w.budget() for w in ws]
-        for w, drafts, n in zip(ws, _draft_group(g, ws, ns), ns): plans[id(w)] = drafts, n
+        drafts, failed = _draft_group(g, ws, ns)
+        for w, d, n in zip(ws, drafts, ns): plans[id(w)] = d, n
+        for j, e in failed.items(): self._fail(ws[j], e)
     return [plans[id(w)] for w in self.rows]
 
 # %% ../nbs/07e_batch.ipynb #515af385
@@ -401,7 +394,7 @@ def _drain(gen, on_token)->bool:
 def _walk(w:_Row, logits:mx.array, drafts, d:int)->bool:
     "The request's accept walk, emission and rollback, on its own; then, if it goes on, its next `pending` and `feed`. True when it ended."
     r = w.r
-    with _own_rng(w): toks, k = _accept(r, logits[:d + 1], drafts, d)
+    with w.rng: toks, k = _accept(r, logits[:d + 1], drafts, d)
     if isinstance(drafts, mx.array): drafts = drafts.tolist()   # already computed by the walk's read-back
     if w.plain: r.res.stats.target_calls += 1
     else: r.res.stats.count_round(d, k)
@@ -415,12 +408,21 @@ def _walk(w:_Row, logits:mx.array, drafts, d:int)->bool:
 
 # %% ../nbs/07e_batch.ipynb #1a336031
 @patch
+def _drop(self:Batch, w:_Row):
+    "Take `w` out with nothing of it kept: its draft row and its target row freed, its source closed."
+    self.rows.remove(w)
+    if w.group is not None: w.group.leave(w.r.source, *w.draft_row)
+    _take_back(w.own, self.cache, self.slots, w.slot)
+    if w.r.source is not None: w.r.source.close()
+
+@patch
 def _leave(self:Batch, w:_Row):
     "Take the request out: check the cache invariant, give its caches back (a prompt cache keeps them), close its source and count."
     r = w.r
     held = len(r.full) + r.res.fed
-    if r.cache[0].offset != held:
-        raise RuntimeError(f"request {w.id!r}: its row holds {r.cache[0].offset} tokens, not the {held} of its prompt and fed tokens")
+    if (has := r.cache[0].offset) != held:   # nothing of it may be kept: it leaves as a failed request does
+        self._drop(w)
+        raise RuntimeError(f"request {w.id!r}: its row holds {has} tokens, not the {held} of its prompt and fed tokens")
     if w.group is not None: w.group.leave(r.source, *w.draft_row)
     _take_back(w.own, self.cache, self.slots, w.slot)
     r.cache = w.own
@@ -430,10 +432,7 @@ def _leave(self:Batch, w:_Row):
 @patch
 def _fail(self:Batch, w:_Row, e:Exception):
     "Take out a request whose own part of the round raised (its drafting alone, its walk, its emission): nothing of it is kept; the others go on."
-    if w.group is not None: w.group.leave(w.r.source, *w.draft_row)
-    _take_back(w.own, self.cache, self.slots, w.slot)
-    if w.r.source is not None: w.r.source.close()
-    self.rows.remove(w)
+    if w in self.rows: self._drop(w)
     self.failed.append((w.id, e))
 
 @patch
@@ -460,8 +459,12 @@ def step(self:Batch)->list:
         try:
             if _walk(w, lg, drafts, d): ended.append(w)
         except Exception as e: self._fail(w, e)
-    for w in ended: self._leave(w)
-    return early + [(w.id, w.r.res) for w in ended]
+    left = []
+    for w in ended:
+        try: self._leave(w)
+        except Exception as e: self._fail(w, e)
+        else: left.append((w.id, w.r.res))
+    return early + left
 
 @patch
 def close(self:Batch):
@@ -473,7 +476,7 @@ def close(self:Batch):
 
 @patch
 def remove(self:Batch, id)->SpecResult:
-    "Take request `id` out between rounds (a cancelled request): its result so far — finish reason None, or 'cancelled' while it read its prompt."
+    "Take request `id` out between rounds (a cancelled request): its result so far — finish reason None, or 'cancelled' while it read its prompt. It leaves even when this raises."
     q = next((q for q in self.reading if q.id == id), None)
     if q is not None:   # its cache holds part of its prompt, as a prefill `should_stop` cut short
         self.reading.remove(q)

@@ -16,20 +16,22 @@ import asyncio, hmac, ipaddress, json, logging, os, queue, re, sys, threading, t
 from contextlib import asynccontextmanager
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 import mlx.core as mx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, CONTENT_TYPE_LATEST
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from .rollback import can_rollback, rollback
 from mlx_lm.sample_utils import make_logits_processors
-from .accept import Sampling
+from .accept import Sampling, RandomStream
 from .executor import spec_stream, spec_generate, context_length
 from .batch import Batch, spec_generate_batch
 from .grammar import from_json_schema, json_object
@@ -288,6 +290,12 @@ class Engine:
         self.held, self.live, self.current, self.closing, self._thread = 0, set(), None, False, None
         self.active, self.waiting = {}, None   # batched: the jobs in the batch; a job taken from the queue that waits for memory
         self.distributed = None   # with the target split over ranks: what /health shows of them
+        self.broken = None        # why the worker cannot go on (it stopped): /health and every new request answer 503
+
+    def unavailable(self)->APIError:
+        "The 503 every request gets once the worker has stopped."
+        return APIError(503, f"the model worker stopped ({self.broken}); this server cannot answer until it is restarted",
+                        type="server_error", code="unavailable")
 
     def queued(self)->int: return self.jobs.qsize() + (self.waiting is not None)
     def running(self)->int: return (self.current is not None) + len(self.active)
@@ -300,7 +308,7 @@ class Engine:
     def start(self):
         self.closing = False
         if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="specnb-worker", daemon=True)
+            self._thread = threading.Thread(target=self._guarded, name="specnb-worker", daemon=True)
             self._thread.start()
 
     def close(self, why:str="the server is shutting down"):
@@ -323,6 +331,7 @@ class Engine:
     def submit(self, job:Job):
         "Queue a job; 400 if it could never fit in the memory budget, 503 when the queue is full or the server is stopping."
         if self.closing: raise APIError(503, "the server is shutting down", type="server_error", code="server_shutdown")
+        if self.broken: raise self.unavailable()
         job.reserved, room = self.estimate(len(job.prompt), job.max_tokens, job.num_draft_tokens), self.budget - self.resident
         if job.reserved > room:
             raise APIError(400, f"this request would hold about {_mib(job.reserved)} ({len(job.prompt)} prompt tokens + max_tokens {job.max_tokens}), "
@@ -339,10 +348,41 @@ class Engine:
 
 # %% ../nbs/08_serve.ipynb #26ac5717
 @patch
+def _guarded(self:Engine):
+    "The worker thread: its loop, and if the loop itself ends in an error, a server that says so — `/health` and every request 503 — instead of one that hangs."
+    try: self._work()
+    except BaseException as e:
+        log.exception("the model worker stopped")
+        self._give_up(e)
+
+@patch
+def _give_up(self:Engine, e:BaseException):
+    "The worker cannot go on: every job it held or that waits is answered 503 at once."
+    self.broken = f"{type(e).__name__}: {e}"
+    while True:
+        try: self.jobs.get_nowait()
+        except queue.Empty: break
+    for job in list(self.live): job.emit("error", self.unavailable())
+    self.live.clear()
+
+@patch
+def _failed(self:Engine, job:Job, e:Exception):
+    "Answer a job that failed with a 500 (logged with its traceback) and forget it — the batch no longer holds it; the worker goes on."
+    log.error(f"request failed: {type(e).__name__}: {e}", exc_info=e)
+    self.metrics.requests.labels(job.endpoint, "error").inc()
+    job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
+    self.live.discard(job)
+    if self.active.pop(job, None) is not None:
+        self.metrics.running.dec()
+        self._hold()
+
+@patch
 def _work(self:Engine):
-    "The worker's loop: a job stopped while it waited is answered at once; the others are admitted to the budget and run (batched: `_work_batched`)."
+    "The worker's loop: a job stopped while it waited is answered at once; the others are admitted to the budget and run (batched: `_work_batched`). A job that fails is its own 500."
     if self.max_batch_size > 1: return self._work_batched()
-    while (job := self.jobs.get()) is not None: self._serve_one(job)
+    while (job := self.jobs.get()) is not None:
+        try: self._serve_one(job)
+        except Exception as e: self._failed(job, e)
 
 @patch
 def _serve_one(self:Engine, job:Job):
@@ -354,15 +394,12 @@ def _serve_one(self:Engine, job:Job):
     self.current = job
     self.metrics.running.inc()
     try: self.run(job)
-    except Exception as e:   # a failed request must not take the worker down
-        log.exception("request failed")
-        self.metrics.requests.labels(job.endpoint, "error").inc()
-        job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
+    except Exception as e: self._failed(job, e)   # a failed request must not take the worker down
     finally:
         self.current = None
         self.held -= job.reserved
-        self.live.discard(job)
         self.metrics.running.dec()
+    self.live.discard(job)   # answered: until then, a worker that stops answers it (`_give_up`)
     if self.jobs.empty(): mx.clear_cache()   # idle: the buffers MLX keeps for reuse go back to the system
 
 @patch
@@ -425,9 +462,9 @@ def _options(self:Engine, run:_Run)->dict:
 def run(self:Engine, job:Job):
     "Generate one job's tokens (on the calling thread), emitting its events; the prefill stops within a chunk when the job should."
     run = self._open_run(job)
-    if job.seed is not None: mx.random.seed(job.seed)
-    stream = spec_stream(self.model, self.provider if run.speculate else None, job.prompt[run.n_cached:], **self._options(run))
-    finish = self._emit_text(job, stream)
+    with RandomStream(job.seed):   # its own random numbers: a sampler that raises leaves nothing behind for the next request
+        stream = spec_stream(self.model, self.provider if run.speculate else None, job.prompt[run.n_cached:], **self._options(run))
+        finish = self._emit_text(job, stream)
     return self._answer(run, stream.result, finish)
 
 @patch
@@ -473,22 +510,15 @@ def _hold(self:Engine):
     "The batch's memory: every row padded to the largest request's footprint."
     self.held = len(self.active) * max((j.reserved for j in self.active), default=0)
 
-@patch
-def _failed(self:Engine, job:Job, e:Exception):
-    "Answer a job that failed with a 500; the worker goes on."
-    self.metrics.requests.labels(job.endpoint, "error").inc()
-    job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
-    self.live.discard(job)
 
 @patch
 def _join(self:Engine, batch:Batch, job:Job):
     "Add the job to the batch from its caches (a prompt-cache hit skips that much prefill); its prompt is read a chunk per round."
-    run = self._open_run(job)
-    try: batch.add(job.prompt[run.n_cached:], self.provider if run.speculate else None, id=job, seed=job.seed,
-                   on_token=lambda t: self._token(run, t), **self._options(run))
-    except Exception as e:
-        log.exception("request failed")
-        return self._failed(job, e)
+    try:
+        run = self._open_run(job)
+        batch.add(job.prompt[run.n_cached:], self.provider if run.speculate else None, id=job, seed=job.seed,
+                  on_token=lambda t: self._token(run, t), **self._options(run))
+    except Exception as e: return self._failed(job, e)
     self.active[job] = run
     self._hold()
     self.metrics.running.inc()
@@ -520,23 +550,27 @@ def _end(self:Engine, run:_Run, res, finish:str|None=None):
     "A job left the batch: flush its text, answer it, free its slot and its memory."
     job = run.job
     finish = finish or run.finish
-    if finish is None and run.text is not None:
-        run.text.finish()
-        delta, hit = run.stop.push(run.text.text, final=True)
-        if delta: job.emit("text", delta)
-        finish = "stop" if hit else None
-    try: self._answer(run, res, finish)
-    finally:
-        del self.active[job]
-        self.live.discard(job)
-        self.metrics.running.dec()
-        self._hold()
+    try:
+        if finish is None and run.text is not None:
+            run.text.finish()
+            delta, hit = run.stop.push(run.text.text, final=True)
+            if delta: job.emit("text", delta)
+            finish = "stop" if hit else None
+        self._answer(run, res, finish)
+    except Exception as e: return self._failed(job, e)
+    del self.active[job]
+    self.live.discard(job)
+    self.metrics.running.dec()
+    self._hold()
 
 @patch
 def _remove_stopped(self:Engine, batch:Batch):
     "Jobs whose client left, whose time ran out, or that the server stopped leave the batch now, between rounds."
     for job, run in list(self.active.items()):
-        if job.should_stop(): self._end(run, batch.remove(job), "cancelled")
+        if not job.should_stop(): continue
+        try: res = batch.remove(job)   # it leaves the batch even when this raises
+        except Exception as e: self._failed(job, e)
+        else: self._end(run, res, "cancelled")
 
 @patch
 def _round(self:Engine, batch:Batch):
@@ -547,34 +581,47 @@ def _round(self:Engine, batch:Batch):
     except Exception as e:
         log.exception("batched round failed")
         batch.close()
-        for job in list(self.active): self._failed(job, e); del self.active[job]; self.metrics.running.dec()
-        return self._hold()
-    for job, e in batch.failed:
-        log.error("request failed", exc_info=e)
-        self._failed(job, e)
-        del self.active[job]
-        self.metrics.running.dec()
-    if batch.failed: self._hold()
+        for job in list(self.active): self._failed(job, e)
+        return
+    for job, e in batch.failed: self._failed(job, e)
     for job, res in ended: self._end(self.active[job], res)
 
 @patch
+def _turn(self:Engine, batch:Batch)->bool:
+    "One turn of the batched loop: admit, drop who should stop, one round, answer who ended; False when told to stop."
+    if not self._admit(batch): return False
+    self._remove_stopped(batch)
+    if len(batch) or batch.early: self._round(batch)
+    self.metrics.batch_size.set(len(batch))
+    if not len(batch) and not self.queued(): mx.clear_cache()   # idle: MLX's kept buffers go back to the system
+    return True
+
+@patch
 def _work_batched(self:Engine):
-    "The batched worker's loop: admit, drop who should stop, one round, answer who ended."
+    "The batched worker's loop. An error nobody foresaw fails the jobs the batch held (500, logged), and the loop goes on with a fresh batch."
     batch = Batch(self.model, interleave_prefill=True)
-    try:
-        while self._admit(batch):
-            self._remove_stopped(batch)
-            if len(batch) or batch.early: self._round(batch)
-            self.metrics.batch_size.set(len(batch))
-            if not len(batch) and not self.queued(): mx.clear_cache()   # idle: MLX's kept buffers go back to the system
-    finally:
-        self._remove_stopped(batch)   # stopping: `close` has cancelled them all
-        batch.close()
+    while True:
+        try:
+            if not self._turn(batch): break
+        except Exception as e:
+            log.exception("the batched worker's turn failed: its jobs are answered 500, the worker goes on")
+            batch.close()
+            self.waiting = None
+            for job in self.live - set(self.jobs.queue): self._failed(job, e)   # every job it had taken from the queue
+            batch = Batch(self.model, interleave_prefill=True)
+    self._remove_stopped(batch)   # stopping: `close` has cancelled them all
+    batch.close()
 
 
 # %% ../nbs/08_serve.ipynb #52bd0707
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+def _integral(v): return int(v) if isinstance(v, float) and v.is_integer() else v
+
+def _Int(**bounds):
+    "JSON Schema's integer, within `bounds`: 2 and 2.0 alike; \"2\", 2.5 and true are errors."
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
 class JSONSchemaFormat(_Body):
     name: str | None = None
@@ -591,23 +638,23 @@ class StreamOptions(_Body):
 
 class _Sampling(_Body):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: _Int(ge=1) | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    top_k: _Int(ge=0) = 0
     min_p: float = Field(0.0, ge=0, le=1)
-    seed: int | None = None
+    seed: _Int(ge=0, lt=2**64) | None = None   # MLX's seeds are 64-bit unsigned
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, ge=1e-3, le=1e3)   # past these the scaled logits overflow float32: NaN, any token
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     response_format: ResponseFormat | None = None
-    num_draft_tokens: int | None = Field(None, ge=0, le=32)
+    num_draft_tokens: _Int(ge=0, le=32) | None = None
     acceptance: Literal["match", "rejection"] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: _Int(ge=1, le=1) = 1
     user: str | None = None
 
 class TextPart(_Body):
@@ -620,14 +667,16 @@ class Message(_Body):
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: _Int(ge=1) | None = None
     tools: list | None = None
     logprobs: bool | None = None
+    top_logprobs: _Int(ge=0, le=20) | None = None
+    chat_template_kwargs: dict | None = None   # passed to the chat template, as mlx_lm.server does (e.g. enable_thinking)
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[_Int()] | list[str]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: _Int() | None = None
     suffix: str | None = None
 
 # %% ../nbs/08_serve.ipynb #54da4af5
@@ -653,18 +702,31 @@ def check_context(engine, n_prompt:int, max_tokens:int, param:str, at_least:bool
     raise APIError(400, f"This model's maximum context length is {limit} tokens, but this request needs {some}{n_prompt + max_tokens} tokens "
                    f"({some}{n_prompt} in the prompt, {max_tokens} to generate); shorten the prompt or lower max_tokens", param, "context_length_exceeded")
 
+def _unicode(text:str, param:str):
+    "400 for text that is not valid Unicode — a lone surrogate (`\\ud800`), which JSON can carry and no tokenizer can read."
+    try: text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode text: a lone surrogate {text[e.start:e.end]!r} at character {e.start}", param) from None
+
 def encode_within(engine, text:str, max_tokens:int, param:str, add_special_tokens:bool=True)->list:
     "`text`'s token ids; a text too long for the context with `max_tokens` is refused as soon as counting shows it, not after tokenizing all of it."
+    _unicode(text, param)
     if engine.max_context is not None and (n := count_past(engine.tokenizer, text, engine.max_context - max_tokens)) is not None:
         check_context(engine, n, max_tokens, param, at_least=True)
     return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-def chat_prompt(engine, messages:list, max_tokens:int=1)->list:
-    "Token ids of a conversation through the tokenizer's chat template, ready for the assistant's turn."
+_OWN_TEMPLATE_ARGS = {"conversation", "add_generation_prompt", "tokenize", "return_dict", "chat_template", "continue_final_message"}
+
+def chat_prompt(engine, messages:list, max_tokens:int=1, template_kwargs:dict|None=None)->list:
+    "Token ids of a conversation through the tokenizer's chat template (with the request's `chat_template_kwargs`), ready for the assistant's turn."
     tokenizer = engine.tokenizer
     if getattr(tokenizer, "chat_template", None) is None: raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
-    text = tokenizer.apply_chat_template([{"role": m.role, "content": _text(m.content)} for m in messages],
-                                         add_generation_prompt=True, tokenize=False)
+    for i, m in enumerate(messages): _unicode(_text(m.content), f"messages[{i}].content")
+    if (own := sorted(_OWN_TEMPLATE_ARGS & set(template_kwargs or {}))):
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(own)}: the server sets it", "chat_template_kwargs")
+    try: text = tokenizer.apply_chat_template([{"role": m.role, "content": _text(m.content)} for m in messages],
+                                              add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
+    except TemplateError as e: raise APIError(400, f"the chat template refused this conversation: {e}", "messages") from None
     return encode_within(engine, text, max_tokens, "messages", add_special_tokens=False)
 
 def completion_prompt(engine, prompt, max_tokens:int=1)->list:
@@ -685,16 +747,19 @@ def make_job(engine:Engine, req:_Sampling, endpoint:str, prompt:list, grammar)->
     "Check the request's limits and build its sampler, processors and stop list into a `Job`."
     param = "prompt" if endpoint == "completions" else "messages"
     if not prompt: raise APIError(400, "the prompt is empty: send at least one token of text", param)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     room = None if engine.max_context is None else engine.max_context - len(prompt)
     max_tokens = asked_tokens(req) or _least(engine.max_tokens, max(room, 1) if room is not None else None)   # unasked: what fits
     if max_tokens > engine.max_tokens_limit:
-        raise APIError(400, f"max_tokens {max_tokens} is more than this server allows ({engine.max_tokens_limit})", "max_tokens")
+        name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        raise APIError(400, f"{name} {max_tokens} is more than this server allows ({engine.max_tokens_limit})", name)
     check_context(engine, len(prompt), max_tokens, param)
     bias = None
     if req.logit_bias:
         bias = {}
         for k, v in req.logit_bias.items():
-            if not k.lstrip("-").isdigit() or not 0 <= int(k) < engine.vocab_size:
+            if not re.fullmatch(r"-?[0-9]+", k) or not 0 <= int(k) < engine.vocab_size:   # str.isdigit takes "²", int() does not
                 raise APIError(400, f"logit_bias key {k!r} is not a token id of this model (0..{engine.vocab_size - 1})", "logit_bias")
             if not -100 <= v <= 100: raise APIError(400, f"logit_bias value {v} for token {k} is outside [-100, 100]", "logit_bias")
             bias[int(k)] = v
@@ -702,7 +767,8 @@ def make_job(engine:Engine, req:_Sampling, endpoint:str, prompt:list, grammar)->
     if len(stop) > 16: raise APIError(400, f"at most 16 stop sequences, got {len(stop)}", "stop")
     temp = engine.temp if req.temperature is None else req.temperature
     procs = make_logits_processors(bias, req.repetition_penalty, 20, req.presence_penalty, 20, req.frequency_penalty, 20)
-    sampler = None if temp == 0 else Sampling(temp=temp, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)   # None: greedy's fast path
+    sampler = Sampling(temp=temp, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
+    if sampler.greedy: sampler = None   # greedy's fast path (also a temperature too small for float32)
     return Job(endpoint, prompt, max_tokens, sampler=sampler, acceptance=req.acceptance or engine.acceptance,
                logits_processors=procs or None, grammar=grammar, stop=stop, timeout=engine.request_timeout,
                num_draft_tokens=engine.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens, seed=req.seed)
@@ -759,7 +825,7 @@ def _add_error_handlers(app:FastAPI, engine:Engine):
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):
-        return APIError(e.status_code, f"{e.detail}: {request.method} {request.url.path}").response()
+        return APIError(e.status_code, f"{e.detail}: {request.method} {request.url.path}", headers=e.headers).response()   # 405 keeps its Allow
 
     @app.exception_handler(Exception)
     async def _unexpected(request, e):
@@ -909,8 +975,9 @@ def _add_routes(app:FastAPI, engine:Engine):
     async def chat_completions(req:ChatRequest, request:Request):
         check_model(engine, req.model)
         if req.tools: raise APIError(400, "tools are not supported by this server", "tools")
+        if req.top_logprobs is not None and not req.logprobs: raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if req.logprobs: raise APIError(400, "logprobs are not supported by this server", "logprobs")
-        prompt = await run_in_threadpool(chat_prompt, engine, req.messages, asked_tokens(req) or 1)   # a long prompt tokenizes off the loop
+        prompt = await run_in_threadpool(chat_prompt, engine, req.messages, asked_tokens(req) or 1, req.chat_template_kwargs)   # off the loop
         return await respond(engine, req, "chat", prompt, request)
 
     @app.post("/v1/completions")
@@ -927,14 +994,52 @@ def _add_routes(app:FastAPI, engine:Engine):
 
     @app.get("/health")
     async def health():
+        if engine.broken: return JSONResponse({"status": "unavailable", "error": engine.broken, "model": engine.model_id}, status_code=503)
         return {"status": "stopping" if engine.closing else "ok", "model": engine.model_id, "draft_kind": engine.draft_kind,
                 "context_length": engine.max_context, "queue_depth": engine.queued(), "running": engine.running(),
                 "batch": {"max_size": engine.max_batch_size, "size": len(engine.active), "not_batched": engine.not_batched},
                 "distributed": engine.distributed,
                 "memory": engine.memory(), "threads": threading.active_count(), "blas": blas_in_use()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response)
     async def metrics(): return Response(engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_ERRORS = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model", 413: "Body too large",
+           500: "Generation failed", 503: "Busy, stopping, or the worker stopped", 504: "Out of time (--request-timeout)"}
+
+def _whole_bounds(node):
+    "Integer bounds back as integers: FastAPI writes them as floats, and `2**64` as a float reads as a larger number than it is."
+    if isinstance(node, list):
+        for x in node: _whole_bounds(x)
+    if not isinstance(node, dict): return
+    for k, v in node.items():
+        if k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") and isinstance(v, float) and v.is_integer(): node[k] = int(v)
+        else: _whole_bounds(v)
+
+def _openapi(app:FastAPI)->dict:
+    "FastAPI's schema with the answers this server gives: errors in OpenAI's shape (400, not FastAPI's 422), Prometheus text at `/metrics`."
+    if app.openapi_schema: return app.openapi_schema
+    s = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = s.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"): schemas.pop(name, None)
+    schemas["Error"] = _ERROR_SCHEMA
+    error = lambda why: {"description": why, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    for path, ops in s["paths"].items():
+        for op in ops.values():
+            op["responses"].pop("422", None)
+            if path.startswith("/v1/") and "requestBody" in op: op["responses"].update({str(k): error(v) for k, v in _ERRORS.items()})
+    for path in ("/v1/completions", "/v1/chat/completions"):   # stream: true answers with server-sent events
+        ok = s["paths"][path]["post"]["responses"]["200"]
+        ok["description"] = "The answer: one JSON body, or with stream: true server-sent events, `data: {chunk}` each, ending `data: [DONE]`"
+        ok["content"]["text/event-stream"] = {"schema": {}}
+    _whole_bounds(s)
+    s["paths"]["/metrics"]["get"]["responses"]["200"] = {"description": "Prometheus metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    s["paths"]["/health"]["get"]["responses"]["503"] = {"description": "The worker stopped", "content": {"application/json": {"schema": {"type": "object"}}}}
+    app.openapi_schema = s
+    return s
 
 def make_app(engine:Engine, max_request_bytes:int=16 * 2**20, api_key:str|None=None)->FastAPI:
     "The FastAPI application serving `engine` (its worker runs while the app does), behind the `Guard`."
@@ -946,6 +1051,7 @@ def make_app(engine:Engine, max_request_bytes:int=16 * 2**20, api_key:str|None=N
     app = FastAPI(title="specnb", lifespan=lifespan)
     _add_error_handlers(app, engine)
     _add_routes(app, engine)
+    app.openapi = lambda: _openapi(app)
     app.add_middleware(Guard, engine=engine, max_body=max_request_bytes, api_key=api_key)
     return app
 

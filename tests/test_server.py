@@ -406,7 +406,7 @@ def test_an_over_long_prompt_is_refused_within_a_second(client, url):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="word " * 200_000, max_tokens=16)
     took = time.monotonic() - t0
-    assert took < 1, took
+    assert took < 3, took   # about 0.1 s on a quiet machine: the slack is for a loaded 2-core one
     err = _error(e)
     assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt") and "maximum context length is 1024 tokens" in err["message"], err
     with pytest.raises(openai.BadRequestError) as e:   # exact numbers when the prompt is short enough to count
@@ -437,7 +437,7 @@ def test_an_oversized_body_is_a_413_before_it_is_read(url):
     "A body declared at 50 MB is refused from its headers, while the client has sent only a kilobyte of it."
     head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 50000000\r\n\r\n"
     status, body, took = _raw_post(url, head, b'{"prompt": "' + b"x" * 1000)
-    assert status == 413 and took < 1, (status, took)
+    assert status == 413 and took < 3, (status, took)   # at once: the rest of the 50 MB would take far longer
     assert body["error"]["code"] == "request_too_large" and "50000000 bytes" in body["error"]["message"], body
     assert metric(url, "specnb_refused_requests_total", reason="request_too_large") >= 1
     assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60).status_code == 200
@@ -508,7 +508,7 @@ def test_a_hang_up_during_a_long_prefill_frees_the_worker(long_context):
     t0 = time.monotonic()
     assert c.completions.create(model=name, prompt=[5, 6, 7], max_tokens=4).usage.completion_tokens == 4
     whole_freed = time.monotonic() - t0
-    assert streamed_freed < 3 and whole_freed < 3, (streamed_freed, whole_freed)
+    assert streamed_freed < 6 and whole_freed < 6, (streamed_freed, whole_freed)   # a 64-token chunk, plus slack for a loaded machine
     assert metric(url, "specnb_requests_total", endpoint="completions", finish_reason="cancelled") == before + 2
 
 def test_nothing_is_left_behind(long_context):
@@ -538,8 +538,8 @@ def test_api_keys_and_a_prompt_exit_on_sigterm():
         assert c.completions.create(model=MODEL, prompt="x", max_tokens=3).usage.completion_tokens == 3
         stream = c.completions.create(model=MODEL, prompt="def f():\n", max_tokens=900, stream=True, extra_body={"logit_bias": NO_EOS})
         for _, _ in zip(range(3), stream): pass
-        with ThreadPoolExecutor(1) as ex:
-            queued = ex.submit(httpx.post, s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5},
+        with ThreadPoolExecutor(1) as ex:   # the second cannot end before SIGTERM: 900 tokens and no EOS, whether it waits or joins the batch
+            queued = ex.submit(httpx.post, s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 900, "logit_bias": NO_EOS},
                                headers={"Authorization": f"Bearer {key}"}, timeout=60)
             on = lambda h: h["queue_depth"] + h["running"]   # batched (the default), the second joins the first's batch instead of waiting
             _wait(lambda: on(httpx.get(s.url + "/health").json()) == 2, "the second request was neither queued nor running")
@@ -548,9 +548,9 @@ def test_api_keys_and_a_prompt_exit_on_sigterm():
             with pytest.raises(openai.APIError, match="shutting down"):
                 for _ in stream: pass
             r = queued.result()
-        s.proc.wait(10)
+        s.proc.wait(20)
         took = time.monotonic() - t0
-    assert took < 10, took
+    assert took < 20, took   # the server's own bound is a 5 s grace; the rest is slack for a loaded 2-core machine
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown", r.text
 
 
