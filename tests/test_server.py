@@ -229,6 +229,33 @@ def test_bad_input_through_the_client_and_server_survives(client, url):
     assert metric(url, "specnb_refused_requests_total", reason="bad_request") >= len(BAD)
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=3).usage.completion_tokens == 3
 
+HOSTILE = [{"seed": -1}, {"seed": 2**64}, {"top_k": 2**64, "temperature": 1}, {"top_k": 4096, "temperature": 1}, {"logit_bias": {"²": 1}},
+           {"repetition_penalty": 5e-324}, {"temperature": 1e-40, "response_format": {"type": "json_object"}}]
+
+def test_a_bad_request_beside_a_batch_stays_its_own(client, url):
+    """Three greedy requests of 120 tokens running; hostile requests arrive among them, one by one: each gets its own answer (a 400 naming the field,
+    or a 200 where the value is valid), and the three finish with exactly the text each gets alone — issue #29's batch that all got the bad request's 500."""
+    prompts = BATCH_PROMPTS[:3]
+    alone = [_text(client, False, prompt=p, max_tokens=120, extra_body={"logit_bias": NO_EOS}) for p in prompts]
+    def hostile():
+        out = []
+        for extra in HOSTILE:
+            body = json.dumps({"prompt": "def f(", "max_tokens": 8, **extra}).encode()   # json.dumps: 2**64 and 5e-324 as written
+            r = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+            out.append((extra, r.status_code, r.json()))
+        return out
+    with ThreadPoolExecutor(4) as ex:
+        running = [ex.submit(_text, client, True, prompt=p, max_tokens=120, extra_body={"logit_bias": NO_EOS}) for p in prompts]
+        _wait(lambda: httpx.get(url + "/health").json()["running"] >= 2, "the greedy requests did not start")
+        answers = ex.submit(hostile).result()
+        together = [f.result() for f in running]
+    assert together == alone
+    for extra, status, body in answers:
+        assert status in (200, 400), (extra, status, body)
+        if status == 400: assert body["error"]["param"] == next(iter(extra)), (extra, body)
+    assert [s for _, s, _ in answers] == [400, 400, 200, 200, 400, 400, 200], answers
+    assert answers[-1][2]["choices"][0]["text"].startswith("{")   # a temperature too small for float32: greedy, inside the grammar
+
 @pytest.mark.parametrize("endpoint,body", [("completions", {"prompt": "x"}), ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
 def test_unknown_model_is_a_404_model_not_found(client, url, endpoint, body):
     "OpenAI answers a model it does not have with 404 and code model_not_found; so does the server, on both endpoints."
