@@ -16,7 +16,7 @@ from fastcore.basics import patch
 from mlx.utils import tree_map
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.utils import _get_classes
-from .rollback import _leaves, rollback
+from .rollback import leaves, rollback
 from .window import as_spec_cache, spec_ring
 
 # %% ../nbs/04b_hybrid.ipynb #d5f16913
@@ -282,7 +282,7 @@ def spec_cache(model,              # the target or a draft model
               )->list:
     "`model`'s caches for speculation: sliding-window rings with slack, recurrent state that rolls back, the rest as mlx-lm makes them."
     cache = make_prompt_cache(model) if cache is None else cache
-    if any(isinstance(c, ArraysCache) for c in _leaves(cache)): watch_mixers(model)
+    if any(isinstance(c, ArraysCache) for c in leaves(cache)): watch_mixers(model)
     return as_spec_cache(cache, max_verify, SPEC_MAPS)
 
 # %% ../nbs/04b_hybrid.ipynb #ae432600
@@ -298,16 +298,16 @@ def rollback_cost(model,            # an mlx-lm model with recurrent layers (it 
                   prompt_len:int=64, samples:int=5, reps:int=4)->tuple:
     "`(forward, rollback)`: CPU cost of a round with a rejection on `RecurrentCache`s beyond the verify forward on mlx-lm's caches, as fractions of it."
     plain, ours = make_prompt_cache(model), make_recurrent_caches(model, gamma + 1)
-    for x in _leaves(ours):
+    for x in leaves(ours):
         if isinstance(x, RecurrentCache): x.capture = capture
     prompt, window = (mx.arange(prompt_len) * 7 % 97)[None], (mx.arange(gamma + 1) + 3)[None]
-    for c in (plain, ours): mx.eval(model(prompt, cache=c), [x.state for x in _leaves(c)])
-    saved = [list(x.cache) if isinstance(x, ArraysCache) else None for x in _leaves(plain)]   # a copy: layers write into the list
+    for c in (plain, ours): mx.eval(model(prompt, cache=c), [x.state for x in leaves(c)])
+    saved = [list(x.cache) if isinstance(x, ArraysCache) else None for x in leaves(plain)]   # a copy: layers write into the list
     def undo_plain():
-        for x, s in zip(_leaves(plain), saved):
+        for x, s in zip(leaves(plain), saved):
             if s is None: x.trim(gamma + 1)
             else: x.cache = list(s)
-    forward = lambda c: mx.eval(model(window, cache=c), [x.state for x in _leaves(c)])
+    forward = lambda c: mx.eval(model(window, cache=c), [x.state for x in leaves(c)])
     best = [float("inf")] * 3
     for _ in range(samples):
         t = [0.0] * 3
@@ -315,7 +315,7 @@ def rollback_cost(model,            # an mlx-lm model with recurrent layers (it 
             for n in range(1, gamma + 1):
                 t[0] += _cpu(lambda: forward(plain)); undo_plain()
                 t[1] += _cpu(lambda: forward(ours))
-                t[2] += _cpu(lambda: (rollback(ours, n), mx.eval([x.state for x in _leaves(ours)])))
+                t[2] += _cpu(lambda: (rollback(ours, n), mx.eval([x.state for x in leaves(ours)])))
                 rollback(ours, gamma + 1 - n)
         best = [min(b, x) for b, x in zip(best, t)]
     return (best[1] - best[0]) / best[0], best[2] / best[0]

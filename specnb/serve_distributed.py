@@ -15,7 +15,11 @@ from fastcore.basics import patch_to
 from .distributed import share, agree, on_peer_exit, Watchdog
 from .grammar import json_object
 from .sources.registry import load_drafting
-from .serve import (Engine, Job, ChatRequest, CompletionRequest, make_job, make_grammar, cmd_serve, engine_options, parse_bytes, _limits, log)
+from .serve.protocol import ChatRequest, CompletionRequest
+from .serve.requests import Job, make_job, make_grammar
+from .serve.memory import parse_bytes
+from .serve.engine import Engine, log
+from .serve.app import cmd_serve, engine_options, server_limits
 
 # %% ../nbs/08b_serve_distributed.ipynb #8b000007
 def idle_tick(n:int)->float:
@@ -31,7 +35,7 @@ def describe(job:Job)->dict:
 def rebuild(engine:Engine, spec:dict)->Job:
     "The job `describe` described, built on this rank from the same request by the same `make_job`; its time limit is rank 0's to judge."
     req = (ChatRequest if spec["endpoint"] == "chat" else CompletionRequest).model_validate_json(spec["body"])
-    job = make_job(engine, req, spec["endpoint"], spec["prompt"], make_grammar(engine.tokenizer, req.response_format))
+    job = make_job(engine.limits, req, spec["endpoint"], spec["prompt"], make_grammar(engine.tokenizer, req.response_format))
     job.request, job.seed, job.timeout = req, spec["seed"], None
     return job
 
@@ -124,7 +128,7 @@ def cmd_serve_ranks(args, ranks):
     "`specnb serve --distributed`: rank 0 serves HTTP with a `RankEngine`; every other rank loads the same and follows it."
     make = partial(RankEngine, ranks=ranks)
     if ranks.lead: return cmd_serve(args, loader=ranks.load, make_engine=make)
-    limits, _ = _limits(args), parse_bytes(args.max_request_bytes, "--max-request-bytes")   # the checks rank 0 makes, so a bad value ends every rank
+    limits, _ = server_limits(args), parse_bytes(args.max_request_bytes, "--max-request-bytes")   # the checks rank 0 makes, so a bad value ends every rank
     logging.basicConfig(level=args.log_level.upper(), format=f"%(levelname)s:     rank {ranks.rank}: %(name)s: %(message)s")
     pair, provider, kind = load_drafting(args, loader=ranks.load)
     engine = make(pair, provider, **engine_options(args, kind), **limits)

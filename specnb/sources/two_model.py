@@ -11,14 +11,14 @@ __all__ = ['TwoModelSource', 'check_p_min', 'TwoModelProvider']
 import mlx.core as mx
 from ..models import check_vocab
 from ..prefill import prefill_drain
-from ..rollback import _leaves, can_take, rollback
+from ..rollback import leaves, can_take, rollback
 from ..recurrent import spec_cache
 from .base import TargetView, draft_distribution, draft_tokens
 
 # %% ../../nbs/05a_two_model.ipynb #4462334a
 def _held(cache)->int:
     "How many tokens the caches hold (the first leaf's offset; a `CacheList` has none of its own)."
-    return next(_leaves(cache)).offset
+    return next(leaves(cache)).offset
 
 class TwoModelSource:
     "Per-request state of a two-model drafter: the draft's cache and, with logits processors, its token history."
