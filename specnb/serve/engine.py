@@ -9,6 +9,7 @@ __all__ = ['log', 'StopText', 'TextSink', 'Metrics', 'batch_limit', 'Engine']
 
 # %% ../../nbs/08f_engine.ipynb #3f33f4c3
 import logging, queue, threading, time
+from contextlib import nullcontext
 from dataclasses import dataclass
 import mlx.core as mx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -125,14 +126,19 @@ class Engine:
     def __init__(self, pair, provider=None, *, model_id:str="specnb-bundled", draft_kind:str="two-model", num_draft_tokens:int=3,
                  max_queue:int=16, prompt_cache_size:int=10, max_tokens:int=512, max_tokens_limit:int=32768, temp:float=0.0,
                  acceptance:str="match", max_context:int|None=None, memory_budget:int|None=None, prompt_cache_bytes:int|None=None,
-                 request_timeout:float|None=None, prefill_step_size:int=2048, max_batch_size:int=1):
+                 request_timeout:float|None=None, prefill_step_size:int=2048, max_batch_size:int=1,
+                 coordinator=None):   # the target split over ranks: what makes them run each job together (08b)
         self.model, self.tokenizer, self.provider, self.draft_kind = pair.target, pair.tokenizer, provider, draft_kind
         self.limits = Limits(pair.tokenizer, model_id, logits_width(self.model), least(context_length(self.model), max_context), max_tokens,
                              max_tokens_limit, temp, acceptance, num_draft_tokens, request_timeout)   # what requests are checked against
         self.prefill_step_size = prefill_step_size
         self.footprints = measure_footprints(self.model, provider, num_draft_tokens)   # also warms MLX's kernels
-        self.max_batch_size, self.not_batched = batch_limit(self.model, provider, max_batch_size, num_draft_tokens)
-        if self.not_batched: log.warning(f"--max-batch-size {max_batch_size}: requests run one at a time: {self.not_batched}")
+        self.coordinator = coordinator
+        asked = 1 if coordinator is not None else max_batch_size   # ranks do not share a batch's joins and leaves yet
+        self.max_batch_size, self.not_batched = batch_limit(self.model, provider, asked, num_draft_tokens)
+        if coordinator is not None and max_batch_size > 1: self.not_batched = coordinator.not_batched
+        if self.not_batched and getattr(coordinator, "lead", True):
+            log.warning(f"--max-batch-size {max_batch_size}: requests run one at a time: {self.not_batched}")
         self.budget, self.resident = memory_budget or default_budget(), mx.get_active_memory()
         self.jobs = queue.Queue(maxsize=max_queue)
         self.cache = PromptCache(prompt_cache_size, len(make_prompt_cache(self.model)), prompt_cache_bytes or self.budget // 4)
@@ -140,7 +146,7 @@ class Engine:
         self.metrics.watch_memory(self.memory)
         self.held, self.live, self.current, self.closing, self._thread = 0, set(), None, False, None
         self.active, self.waiting = {}, None   # batched: the jobs in the batch; a job taken from the queue that waits for memory
-        self.distributed = None   # with the target split over ranks: what /health shows of them
+        self.distributed = None if coordinator is None else coordinator.health   # what /health shows of the ranks
         self.broken = None        # why the worker cannot go on (it stopped): /health and every new request answer 503
 
     def unavailable(self)->APIError:
@@ -161,6 +167,7 @@ class Engine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._guarded, name="specnb-worker", daemon=True)
             self._thread.start()
+        if self.coordinator is not None: self.coordinator.started()
 
     def close(self, why:str="the server is shutting down"):
         "Refuse new jobs, and stop every queued and running one: each is answered with a 503 (a stream ends with an error event)."
@@ -230,13 +237,14 @@ def _failed(self:Engine, job:Job, e:Exception):
 @patch
 def _work(self:Engine):
     "The worker's loop: a job stopped while it waited is answered at once; the others are admitted to the budget and run (batched: `_work_batched`). A job that fails is its own 500."
+    if self.coordinator is not None: return self.coordinator.work(self)   # rank 0 of a split target: the ranks' loop
     if self.max_batch_size > 1: return self._work_batched()
     while (job := self.jobs.get()) is not None:
-        try: self._serve_one(job)
+        try: self.serve_one(job)
         except Exception as e: self._failed(job, e)
 
 @patch
-def _serve_one(self:Engine, job:Job):
+def serve_one(self:Engine, job:Job):
     "Run one job taken from the queue (one at a time): answered at once if it was stopped while it waited; a failure is its 500, not the worker's end."
     self.metrics.queue_depth.set(self.jobs.qsize())
     if job.should_stop(): return self._drop(job)
@@ -302,16 +310,18 @@ def _options(self:Engine, run:_Run)->dict:
 @patch
 def run(self:Engine, job:Job):
     "Generate one job's tokens (on the calling thread), emitting its events; the prefill stops within a chunk when the job should."
-    run = self._open_run(job)
-    with RandomStream(job.seed):   # its own random numbers: a sampler that raises leaves nothing behind for the next request
-        stream = spec_stream(self.model, self.provider if run.speculate else None, job.prompt[run.n_cached:], **self._options(run))
-        finish = self._emit_text(run, stream)
-    return self._answer(run, stream.result, finish)
+    with nullcontext() if self.coordinator is None else self.coordinator.running(self, job):   # every rank at once
+        run = self._open_run(job)
+        with RandomStream(job.seed):   # its own random numbers: a sampler that raises leaves nothing behind for the next request
+            stream = spec_stream(self.model, self.provider if run.speculate else None, job.prompt[run.n_cached:], **self._options(run))
+            finish = self._emit_text(run, stream)
+        return self._answer(run, stream.result, finish)
 
 @patch
 def _answer(self:Engine, run:_Run, res, finish:str|None):
     "Keep the job's caches in the prompt cache, count it, and send its last event: done with usage, or the server's error."
     job, m = run.job, self.metrics
+    if self.coordinator is not None: self.coordinator.agree_tokens(res.tokens)   # every rank's, before the prompt cache keeps them
     finish = finish or res.finish_reason or "length"
     whole = res.finish_reason != "cancelled"   # "cancelled" by the executor: a cut-short prefill, a cache holding part of the prompt
     if whole and (not run.speculate or res.draft_cache is not None):   # None: the draft was dropped (a sliding window filled)
