@@ -68,12 +68,10 @@ class Sampling:
         return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 # %% ../nbs/03_accept.ipynb #b58fe556
-def _global_key()->int:
-    "The global random key as the seed that recreates it (`mx.random.seed(s)` sets the key `[s >> 32, s & 0xffffffff]`)."
-    try: hi, lo = mx.random.state[0].tolist()
-    except RuntimeError:   # left broken by a compiled draw that raised outside any stream: a fresh key
-        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
-        hi, lo = mx.random.state[0].tolist()
+def _seed_of(key:mx.array)->int:
+    "The seed that recreates the random `key` (`mx.random.seed(s)` sets the key `[s >> 32, s & 0xffffffff]`); a fresh one for a key a failed draw left broken."
+    try: hi, lo = key.tolist()
+    except RuntimeError: return int.from_bytes(os.urandom(8), "little")   # a compiled draw that raised outside any stream
     return hi << 32 | lo
 
 class RandomStream:
@@ -83,14 +81,14 @@ class RandomStream:
         self.seed = seed
 
     def __enter__(self):
-        self.outer = _global_key()
+        self.outer = mx.random.state[0]   # the key as it is now; read back (a wait) only if it has to be put back
         if self.seed is not None: mx.random.seed(self.seed)
         return self
 
     def __exit__(self, failed, *_):
         if failed is None and self.seed is None: return   # the global stream, advanced by the draws
-        if failed is None: self.seed = _global_key()        # where this stream goes on next time
-        mx.random.seed(self.outer)
+        if failed is None: self.seed = _seed_of(mx.random.state[0])   # where this stream goes on next time
+        mx.random.seed(_seed_of(self.outer))
 
 # %% ../nbs/03_accept.ipynb #f3f5db3d
 def _residual(lp:mx.array, lq:mx.array)->mx.array:

@@ -114,7 +114,7 @@ def _draft_group(group:_DraftGroup, ws:list, ns:list)->tuple:
             except Exception as e:    # its own processors or sampler: it reads a placeholder until the group is done, then leaves
                 failed[i] = e
                 outs[i].append(mx.zeros((1,), mx.uint32))
-        x = mx.stack([o[-1].astype(mx.uint32) for o in outs])
+        x = mx.stack([o[-1] for o in outs])
         mx.async_eval(x)
     for layer in group.cache: layer.ends = [e - (max(ns) - n) for e, n in zip(layer.ends, ns)]   # each read its feed and n-1 drafts
     return [mx.concatenate(o) for o in outs], failed
