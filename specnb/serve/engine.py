@@ -22,7 +22,7 @@ from ..models import logits_width
 from fastcore.basics import patch
 from .protocol import APIError, usage
 from .requests import Job, Limits, least
-from .memory import PromptCache, default_budget, measure_footprints, mib, rss
+from .memory import PromptCache, default_budget, held_by, measure_footprints, mib, rss
 
 # %% ../../nbs/08f_engine.ipynb #fe42d1b5
 class StopText:
@@ -144,8 +144,8 @@ class Engine:
         self.cache = PromptCache(prompt_cache_size, len(make_prompt_cache(self.model)), prompt_cache_bytes or self.budget // 4)
         self.metrics = Metrics()
         self.metrics.watch_memory(self.memory)
-        self.held, self.live, self.current, self.closing, self._thread = 0, set(), None, False, None
-        self.active, self.waiting = {}, None   # batched: the jobs in the batch; a job taken from the queue that waits for memory
+        self.live, self.closing, self._thread = set(), False, None   # live: every job queued or running, until it is answered
+        self.active, self.waiting = {}, None   # the jobs running (one at a time: one), with their runs; a job taken from the queue that waits for memory
         self.distributed = None if coordinator is None else coordinator.health   # what /health shows of the ranks
         self.broken = None        # why the worker cannot go on (it stopped): /health and every new request answer 503
 
@@ -155,7 +155,9 @@ class Engine:
                         type="server_error", code="unavailable")
 
     def queued(self)->int: return self.jobs.qsize() + (self.waiting is not None)
-    def running(self)->int: return (self.current is not None) + len(self.active)
+    def running(self)->int: return len(self.active)
+    @property
+    def held(self)->int: return held_by([j.reserved for j in self.active])   # bytes the running jobs are admitted with
 
     def memory(self)->dict:
         "The budget and what is held, in bytes, as `/health` and `/metrics` show them."
@@ -230,9 +232,9 @@ def _failed(self:Engine, job:Job, e:Exception):
     self.metrics.requests.labels(job.endpoint, "error").inc()
     job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
     self.live.discard(job)
-    if self.active.pop(job, None) is not None:
+    if job in self.active:
+        del self.active[job]
         self.metrics.running.dec()
-        self._hold()
 
 @patch
 def _work(self:Engine):
@@ -248,16 +250,13 @@ def serve_one(self:Engine, job:Job):
     "Run one job taken from the queue (one at a time): answered at once if it was stopped while it waited; a failure is its 500, not the worker's end."
     self.metrics.queue_depth.set(self.jobs.qsize())
     if job.should_stop(): return self._drop(job)
-    self.cache.shrink(self.budget - self.resident - self.held - job.reserved)   # make room: the prompt cache gives way
-    self.held += job.reserved
-    self.current = job
+    self.cache.shrink(self.budget - self.resident - held_by([job.reserved]))   # make room: the prompt cache gives way
+    self.active[job] = None
     self.metrics.running.inc()
     try: self.run(job)
     except Exception as e: self._failed(job, e)   # a failed request must not take the worker down
     finally:
-        self.current = None
-        self.held -= job.reserved
-        self.metrics.running.dec()
+        if self.active.pop(job, False) is not False: self.metrics.running.dec()   # not when `_failed` has taken it out
     self.live.discard(job)   # answered: until then, a worker that stops answers it (`_give_up`)
     if self.jobs.empty(): mx.clear_cache()   # idle: the buffers MLX keeps for reuse go back to the system
 
@@ -339,11 +338,6 @@ def _answer(self:Engine, run:_Run, res, finish:str|None):
 
 # %% ../../nbs/08f_engine.ipynb #e25e565d
 @patch
-def _hold(self:Engine):
-    "The batch's memory: every row padded to the largest request's footprint."
-    self.held = len(self.active) * max((j.reserved for j in self.active), default=0)
-
-@patch
 def _join(self:Engine, batch:Batch, job:Job):
     "Add the job to the batch from its caches (a prompt-cache hit skips that much prefill); its prompt is read a chunk per round."
     try:
@@ -352,7 +346,6 @@ def _join(self:Engine, batch:Batch, job:Job):
                   on_token=run.sink.add, **self._options(run))
     except Exception as e: return self._failed(job, e)
     self.active[job] = run
-    self._hold()
     self.metrics.running.inc()
 
 # %% ../../nbs/08f_engine.ipynb #739c8bc6
@@ -367,7 +360,7 @@ def _admit(self:Engine, batch:Batch)->bool:
             if job is None: return False
         if job.should_stop(): self._drop(job); continue
         jobs = list(self.active) + [job]
-        need = len(jobs) * max(j.reserved for j in jobs)   # rows are padded to the longest
+        need = held_by([j.reserved for j in jobs])
         if self.active and need > self.budget - self.resident:
             self.waiting = job   # at the head of the queue, until someone leaves
             break
@@ -385,7 +378,6 @@ def _end(self:Engine, run:_Run, res, finish:str|None=None):
     del self.active[job]
     self.live.discard(job)
     self.metrics.running.dec()
-    self._hold()
 
 @patch
 def _remove_stopped(self:Engine, batch:Batch):
