@@ -172,6 +172,6 @@ def main(argv=None):
         sys.exit(2)
     except RuntimeError as e:   # a collective that failed: another rank died (single-process errors keep their traceback)
         if not getattr(args, "distributed", False): raise
-        print(f"specnb: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        from specnb.distributed import fail_rank
+        fail_rank(str(e))   # one line naming the rank, status 1, before the launcher's SIGTERM can race a tidy exit
     except KeyboardInterrupt: sys.exit(130)

@@ -6,7 +6,7 @@ Docs: https://specnb.github.io/specnb/distributed.html.md"""
 
 # %% auto #0
 __all__ = ['world', 'share', 'shared_seed', 'agree', 'load_sharded_pair', 'Watchdog', 'on_peer_exit', 'on_launcher_exit', 'Ranks',
-           'join', 'launch']
+           'join', 'fail_rank', 'launch']
 
 # %% ../nbs/07f_distributed.ipynb #de7b7bd6
 import json, os, select, shutil, signal, subprocess, sys, threading, time, zlib
@@ -159,6 +159,11 @@ def join(pipeline:bool=False, timeout:float=60.0, err=None)->Ranks:
     on_peer_exit(g.rank(), err)
     on_launcher_exit(g.rank(), err)
     return Ranks(g, pipeline, timeout)
+
+def fail_rank(why:str, err=None):
+    "End this rank as its guards do (one line naming it, status 1), for an error a collective raised: MLX's ring can report a lost peer before the launcher's SIGTERM arrives."
+    _end(world().rank(), why, err)
+
 
 # %% ../nbs/07f_distributed.ipynb #2c5d6345
 def launch(cmd:list, n:int=2, timeout:float=300, env=None, backend:str="ring")->subprocess.CompletedProcess:
