@@ -68,6 +68,7 @@ class DraftHead(nn.Module):
     def __init__(self, cfg:HeadConfig):
         super().__init__()
         self.cfg, H, h = cfg, cfg.target_hidden, cfg.hidden_size
+        self.depth = 1   # decoder layers, each with its own cache
         self.fuse = nn.Linear(len(cfg.tap_layers) * H, h, bias=False)   # the tapped layers' rows → one feature
         self.feature_norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
         self.inp = nn.Linear(h + H, h, bias=False)
@@ -94,6 +95,14 @@ class DraftHead(nn.Module):
         "Logits of head outputs `a` through `model`'s final norm and lm-head: over the draft vocabulary when given its `rows`."
         x = model.model.norm(self.out(a))
         return output_head(model)(x) if rows is None else x @ rows.T
+
+    def readout(self, model, a, rows=None)->mx.array:
+        "Full-vocabulary logits of head outputs `a`; with a draft vocabulary (its `rows`), every other token at -inf (never drafted)."
+        logits = self.logits(model, a, rows)
+        if rows is None: return logits
+        full = mx.full((*logits.shape[:-1], self.cfg.vocab_size), -mx.inf)
+        full[..., self.d2t] = logits
+        return full
 
 # %% ../../nbs/05e_head.ipynb #da9b14ce
 def save_head(head:DraftHead, path, dtype=mx.float16):
@@ -125,23 +134,25 @@ def random_head(model, tap_layers:list, seed:int=0, **kw)->DraftHead:
 
 # %% ../../nbs/05e_head.ipynb #bb043431
 class HeadCache(KVCache):
-    "The head's KV cache; `row` holds the target row of the newest position while its entry waits for the token after it."
-    def __init__(self): super().__init__(); self.row = None
+    "The head's KV cache (its first layer's; `more` holds any further layers'); `row` holds the target row of the newest position while its entry waits for the token after it."
+    def __init__(self, layers:int=1): super().__init__(); self.row, self.more = None, [KVCache() for _ in range(layers - 1)]
 
     def trim(self, n:int)->int:
+        for c in self.more: c.trim(n)
         n = super().trim(n)
         # the newest position's row went with its token: the head goes on one position short (drafts change, output never)
         if n: self.row = None
         return n
 
 class HeadSource:
-    "Per-request state of the head drafter: its cache, in lockstep with the target's."
-    def __init__(self, head:DraftHead, target:TargetView, sampler=None, grammar=None):
+    "Per-request state of a drafter on the target's hidden states (this head, or a published one: `fuse`, `__call__`, `readout`, `vocab_rows`, `depth`): its cache, in lockstep with the target's."
+    def __init__(self, head:DraftHead, target:TargetView, sampler=None, grammar=None,
+                 tap_layers:list|None=None): # the target layers it reads (default: the head's own)
         self.head, self.target, self.sampler, self.grammar = head, target, sampler, grammar
-        self.tap_layers = head.cfg.tap_layers
-        self.embed = target.model.model.embed_tokens
+        self.tap_layers = tap_layers or head.cfg.tap_layers
+        self.embed = head.embed_tokens if "embed_tokens" in head else target.model.model.embed_tokens   # its own, else the target's
         self.rows = head.vocab_rows(target.model)
-        self.cache, self.tokens, self.last, self.newest, self.out, self.logits, self.skipped = HeadCache(), [], None, None, [], [], None
+        self.cache, self.tokens, self.last, self.newest, self.out, self.logits, self.skipped = HeadCache(head.depth), [], None, None, [], [], None
 
     def prefill(self, prompt_ids, ctx=None):
         "Note the prompt (its rows come with the first draft); `ctx`: a saved `HeadCache` holding the context before it."
@@ -168,12 +179,8 @@ class HeadSource:
             raise RuntimeError(f"draft head out of lockstep: {self.cache.offset} entries (+{self.skipped} unseen) for a target cache of {t}")
 
     def readout(self, a):
-        "Full-vocabulary logits of head outputs `a`; with a draft vocabulary, every other token at -inf (never drafted)."
-        logits = self.head.logits(self.target.model, a, self.rows)
-        if self.rows is None: return logits
-        full = mx.full((*logits.shape[:-1], self.head.cfg.vocab_size), -mx.inf)
-        full[..., self.head.d2t] = logits
-        return full
+        "Full-vocabulary logits of head outputs `a` (a token the drafter cannot propose at -inf)."
+        return self.head.readout(self.target.model, a, self.rows)
 
     def _step(self, y):
         "`(1, V)` logits of the next draft position: a head step on the token `y` just drafted (None: the first position, read from `last`)."
@@ -206,7 +213,7 @@ class HeadSource:
         if rows is not None and rows.shape[0]:
             self._read(rows[:-1], held)   # (reading a still-waiting saved row first)
             cache.row = rows[-1:]
-        mx.eval([a for a in (cache.keys, cache.values, cache.row) if a is not None])
+        mx.eval([a for c in (cache, *cache.more) for a in (c.keys, c.values, getattr(c, "row", None)) if a is not None])
         self.cache = self.tokens = self.last = None
         return [cache]
 

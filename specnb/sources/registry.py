@@ -6,7 +6,7 @@ Docs: https://specnb.github.io/specnb/registry.html.md"""
 
 # %% auto #0
 __all__ = ['OPTIONS', 'KINDS', 'DraftKind', 'behind_lookup', 'find_kind', 'unread_options', 'refuse_unread', 'make_provider',
-           'draft_kind', 'drafting_options', 'check_drafting', 'load_drafting']
+           'published_kind', 'draft_kind', 'drafting_options', 'check_drafting', 'load_drafting']
 
 # %% ../../nbs/05l_registry.ipynb #18e354b6
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ class DraftKind:
     make: object               # make(draft, **options) -> a DraftProvider, or None (plain decoding); draft: the loaded draft model or None
     reads: tuple = ()          # the keys of OPTIONS that `make` takes (a draft model is `needs_draft`)
     needs_draft: bool = False  # drafts with a second model, loaded from `--draft-model`
+    reads_layers: bool = False # reads the target's own layers (its hidden states): cannot follow a target that --pipeline spreads over ranks
 
     def takes(self, option:str)->bool:
         "Does this kind read `option` (a key of `OPTIONS`)?"
@@ -50,15 +51,20 @@ def _head(draft, draft_head=None):
     from specnb.sources.head import HeadProvider
     return HeadProvider(draft_head)   # None: the head shipped for the bundled target
 
+def _eagle3(draft, draft_model=None):
+    from specnb.sources.eagle3 import Eagle3Provider
+    if draft_model is None: raise ValueError("eagle3 drafting reads a published EAGLE-3 checkpoint: give it with --draft-model (a folder or hub id)")
+    return Eagle3Provider(draft_model)   # a folder, a hub id, or a loaded drafter
+
 def behind_lookup(kind:DraftKind)->DraftKind:
     "`kind` behind prompt lookup: `{name}+lookup`, reading its options and the n-gram lengths."
     def make(draft, ngram_min=None, ngram_max=None, **options):
         from specnb.sources.lookup_first import LookupFirstProvider
         return LookupFirstProvider(kind.make(draft, **options), **_given(min_ngram=ngram_min, max_ngram=ngram_max))
-    return DraftKind(f"{kind.name}+lookup", make, kind.reads + ("ngram_min", "ngram_max"), kind.needs_draft)
+    return DraftKind(f"{kind.name}+lookup", make, kind.reads + ("ngram_min", "ngram_max"), kind.needs_draft, kind.reads_layers)
 
-_MODEL_KINDS = [DraftKind("two-model", _two_model, ("draft_p_min",), needs_draft=True), DraftKind("early-exit", _early_exit, ("exit_layer",)),
-                DraftKind("head", _head, ("draft_head",))]
+_MODEL_KINDS = [DraftKind("two-model", _two_model, ("draft_p_min",), needs_draft=True), DraftKind("early-exit", _early_exit, ("exit_layer",), reads_layers=True),
+                DraftKind("head", _head, ("draft_head",), reads_layers=True), DraftKind("eagle3", _eagle3, ("draft_model",), reads_layers=True)]
 KINDS = {k.name: k for k in [_MODEL_KINDS[0], DraftKind("ngram", _ngram, ("ngram_min", "ngram_max")), *_MODEL_KINDS[1:],
                              DraftKind("none", lambda draft: None), *map(behind_lookup, _MODEL_KINDS)]}
 
@@ -100,9 +106,18 @@ def make_provider(kind:str,                # a key of KINDS
     return AdaptiveProvider(provider, start=min(3, num_draft_tokens))
 
 # %% ../../nbs/05l_registry.ipynb #adc7df6c
+def published_kind(path)->str|None:
+    "The kind of the published drafter checkpoint at `path` (a folder or hub id) — `eagle3` — or None (an mlx-lm draft model, or nothing readable)."
+    from specnb.sources.eagle3 import draft_config, is_eagle3
+    try: cfg = draft_config(path)
+    except (OSError, ValueError): return None   # not here or not reachable: the loader says why
+    return "eagle3" if is_eagle3(cfg) else None
+
 def draft_kind(model, draft_model, kind=None, draft_head=None, lookup_first:bool=False)->str:
     "The draft kind for these arguments: `kind`, or the one they imply; `lookup_first` puts prompt lookup in front of it."
-    if kind is None: kind = "head" if draft_head else "two-model" if draft_model or not model else "ngram"
+    if kind is None and draft_head: kind = "head"
+    elif kind is None and draft_model: kind = published_kind(draft_model) or "two-model"   # its config says which
+    elif kind is None: kind = "ngram" if model else "two-model"   # a target of one's own: lookup works with any
     find_kind(kind)
     if lookup_first and not kind.endswith("+lookup"):
         if f"{kind}+lookup" not in KINDS:
@@ -110,6 +125,8 @@ def draft_kind(model, draft_model, kind=None, draft_head=None, lookup_first:bool
         kind += "+lookup"
     if KINDS[kind].needs_draft and model and not draft_model:
         raise ValueError(f"--draft-kind {kind} needs a --draft-model for a target other than the bundled one")
+    if "draft_model" in KINDS[kind].reads and not draft_model:
+        raise ValueError(f"--draft-kind {kind} reads a published drafter: give its checkpoint with --draft-model (a folder or hub id)")
     return kind
 
 # %% ../../nbs/05l_registry.ipynb #9fb6e75f
@@ -120,6 +137,7 @@ def drafting_options(args)->dict:
 def check_drafting(kind:str, options:dict, adaptive:bool=False):
     "Refuse, before any model loads, an option `kind` would ignore or a value its provider refuses."
     refuse_unread([kind], options)
+    if "draft_model" in find_kind(kind).reads: return   # a published drafter's checkpoint is read once, by load_drafting
     provider = find_kind(kind).make(None, **_given(**dict(options, draft_model=None)))   # no draft model yet
     if adaptive and provider is None: raise ValueError(f"--adaptive adapts the length of a draft; {kind} drafts nothing")
 
@@ -133,7 +151,8 @@ def load_drafting(args, loader=None):
     if args.num_draft_tokens < 1: raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
     options = drafting_options(args)
     check_drafting(kind, options, args.adaptive)
-    pair = (loader or load_pair)(args.model, options.pop("draft_model"))   # without --model: the bundled target, and --draft-model if given
+    draft, published = options.pop("draft_model"), "draft_model" in KINDS[kind].reads   # published: a drafter's checkpoint, not a second model
+    pair = (loader or load_pair)(args.model, None if published else draft)   # without --model: the bundled target, and --draft-model if given
     provider = make_provider(kind, pair.draft if KINDS[kind].needs_draft else None, target=pair.target, adaptive=args.adaptive,
-                             num_draft_tokens=args.num_draft_tokens, **options)
+                             num_draft_tokens=args.num_draft_tokens, **options, **({"draft_model": draft} if published else {}))
     return pair, provider, kind
