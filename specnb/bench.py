@@ -264,7 +264,7 @@ def plot_bench(result:dict, out_dir)->list:
 
 def _split_sources(sources:list, pipeline:bool, given:bool)->list:
     "The sources a pipeline-split target can run: early exit and the head read layers other ranks hold (refused when asked for, left out by default)."
-    reads_layers = [s for s in sources if s.split("+")[0] in ("early-exit", "head")]
+    reads_layers = [s for s in sources if find_kind(s).reads_layers]
     if pipeline and given and reads_layers:
         raise ValueError(f"the {reads_layers[0]} source reads the target's layers, which --pipeline spreads over the ranks; use tensor parallelism (drop --pipeline)")
     return [s for s in sources if not (pipeline and s in reads_layers)]

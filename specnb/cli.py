@@ -106,7 +106,7 @@ def _ranks(args, err):
         if given: raise ValueError(f"{given[0]} applies with --distributed")
         return None
     kind = draft_kind(args.model, args.draft_model, args.draft_kind, args.draft_head, args.lookup_first) if hasattr(args, "draft_kind") else None
-    if args.pipeline and kind is not None and kind.split("+")[0] in ("early-exit", "head"):   # `bench` checks its --sources itself
+    if args.pipeline and kind is not None and KINDS[kind].reads_layers:   # `bench` checks its --sources itself
         raise ValueError(f"--draft-kind {kind} reads the target's layers, which --pipeline spreads over the ranks; use tensor parallelism (drop --pipeline)")
     from specnb.distributed import join
     return join(args.pipeline, 60.0 if args.rank_timeout is None else args.rank_timeout, err)

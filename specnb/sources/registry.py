@@ -23,6 +23,7 @@ class DraftKind:
     reads: tuple = ()          # the keys of OPTIONS that `make` takes (a draft model is `needs_draft`)
     needs_draft: bool = False  # drafts with a second model, loaded from `--draft-model`
     reads_layers: bool = False # reads the target's own layers (its hidden states): cannot follow a target that --pipeline spreads over ranks
+    in_target: bool = False    # its checkpoint is the target's own (native MTP layers): `--draft-model` defaults to `--model`
 
     def takes(self, option:str)->bool:
         "Does this kind read `option` (a key of `OPTIONS`)?"
@@ -56,15 +57,21 @@ def _eagle3(draft, draft_model=None):
     if draft_model is None: raise ValueError("eagle3 drafting reads a published EAGLE-3 checkpoint: give it with --draft-model (a folder or hub id)")
     return Eagle3Provider(draft_model)   # a folder, a hub id, or a loaded drafter
 
+def _mtp(draft, draft_model=None):
+    from specnb.sources.mtp import MtpProvider
+    if draft_model is None: raise ValueError("mtp drafting reads the MTP layers in the target's original checkpoint: give it with --model (or --draft-model)")
+    return MtpProvider(draft_model)
+
 def behind_lookup(kind:DraftKind)->DraftKind:
     "`kind` behind prompt lookup: `{name}+lookup`, reading its options and the n-gram lengths."
     def make(draft, ngram_min=None, ngram_max=None, **options):
         from specnb.sources.lookup_first import LookupFirstProvider
         return LookupFirstProvider(kind.make(draft, **options), **_given(min_ngram=ngram_min, max_ngram=ngram_max))
-    return DraftKind(f"{kind.name}+lookup", make, kind.reads + ("ngram_min", "ngram_max"), kind.needs_draft, kind.reads_layers)
+    return DraftKind(f"{kind.name}+lookup", make, kind.reads + ("ngram_min", "ngram_max"), kind.needs_draft, kind.reads_layers, kind.in_target)
 
 _MODEL_KINDS = [DraftKind("two-model", _two_model, ("draft_p_min",), needs_draft=True), DraftKind("early-exit", _early_exit, ("exit_layer",), reads_layers=True),
-                DraftKind("head", _head, ("draft_head",), reads_layers=True), DraftKind("eagle3", _eagle3, ("draft_model",), reads_layers=True)]
+                DraftKind("head", _head, ("draft_head",), reads_layers=True), DraftKind("eagle3", _eagle3, ("draft_model",), reads_layers=True),
+                DraftKind("mtp", _mtp, ("draft_model",), reads_layers=True, in_target=True)]
 KINDS = {k.name: k for k in [_MODEL_KINDS[0], DraftKind("ngram", _ngram, ("ngram_min", "ngram_max")), *_MODEL_KINDS[1:],
                              DraftKind("none", lambda draft: None), *map(behind_lookup, _MODEL_KINDS)]}
 
@@ -125,8 +132,10 @@ def draft_kind(model, draft_model, kind=None, draft_head=None, lookup_first:bool
         kind += "+lookup"
     if KINDS[kind].needs_draft and model and not draft_model:
         raise ValueError(f"--draft-kind {kind} needs a --draft-model for a target other than the bundled one")
-    if "draft_model" in KINDS[kind].reads and not draft_model:
-        raise ValueError(f"--draft-kind {kind} reads a published drafter: give its checkpoint with --draft-model (a folder or hub id)")
+    k = KINDS[kind]
+    if "draft_model" in k.reads and not draft_model and not (k.in_target and model):
+        raise ValueError(f"--draft-kind {kind} reads a published drafter: give its checkpoint with --draft-model (a folder or hub id)"
+                         + ("; or the target's original checkpoint, holding it, with --model" if k.in_target else ""))
     return kind
 
 # %% ../../nbs/05l_registry.ipynb #9fb6e75f
@@ -152,6 +161,7 @@ def load_drafting(args, loader=None):
     options = drafting_options(args)
     check_drafting(kind, options, args.adaptive)
     draft, published = options.pop("draft_model"), "draft_model" in KINDS[kind].reads   # published: a drafter's checkpoint, not a second model
+    if published and draft is None and KINDS[kind].in_target: draft = args.model   # native MTP: in the target's own checkpoint
     pair = (loader or load_pair)(args.model, None if published else draft)   # without --model: the bundled target, and --draft-model if given
     provider = make_provider(kind, pair.draft if KINDS[kind].needs_draft else None, target=pair.target, adaptive=args.adaptive,
                              num_draft_tokens=args.num_draft_tokens, **options, **({"draft_model": draft} if published else {}))
