@@ -21,6 +21,8 @@ _LAZY = {
     "LookupFirstProvider": "sources.lookup_first",
     "EarlyExitProvider": "sources.early_exit",
     **dict.fromkeys(["HeadProvider", "load_head"], "sources.head"),
+    **dict.fromkeys(["Eagle3Provider", "load_eagle3"], "sources.eagle3"),
+    **dict.fromkeys(["MtpProvider", "load_mtp"], "sources.mtp"),
     "Tap": "tap",
 }
 __all__ = ["models", "grammar", *_LAZY]
