@@ -25,7 +25,7 @@ from .prefill import prefill_drain
 from .rollback import rollback
 from .window import make_spec_cache
 from .sources.base import TargetView
-from .sources.registry import KINDS, find_kind, make_provider, refuse_unread
+from .sources.registry import KINDS, find_kind, make_provider, published_kind, refuse_unread
 from .tap import Tap
 
 # %% ../nbs/09_bench.ipynb #413c8384
@@ -179,6 +179,7 @@ def run_bench(pair,                                   # a `ModelPair` (`specnb.m
               texts=BENCH_TEXTS,                      # prompts, as text
               max_tokens:int=128, repeats:int=3, mlx_lm:bool=True, exit_layer:int=2,
               draft_head=None,                        # the head source's folder (default: the bundled target's head)
+              draft_model=None,                       # a published drafter's checkpoint, for the sources that read one (eagle3, mtp)
               progress:bool=False, tick=None)->dict:
     "Plain decoding, every source at every γ and mlx-lm at every γ, interleaved; with the cost fits and each row's bound."
     kinds = [find_kind(s) for s in sources]   # the registry's names: `two-model`, `head+lookup`, ...
@@ -187,7 +188,7 @@ def run_bench(pair,                                   # a `ModelPair` (`specnb.m
     if not gammas or min(gammas) < 1: raise ValueError(f"gammas must be integers >= 1, got {list(gammas)}")
     T, D, tok = pair.target, pair.draft, pair.tokenizer
     # a source that cannot serve this target fails here, before any run
-    providers = {k.name: make_provider(k.name, D if k.needs_draft else None, target=T, **k.pick(exit_layer=exit_layer, draft_head=draft_head)) for k in kinds}
+    providers = {k.name: make_provider(k.name, D if k.needs_draft else None, target=T, **k.pick(exit_layer=exit_layer, draft_head=draft_head, draft_model=draft_model)) for k in kinds}
     prompts = [tok.encode(t) for t in texts]
     runs = {"plain": lambda p: generate(T, p, max_tokens=max_tokens)}
     for g in gammas:
@@ -214,7 +215,8 @@ def run_bench(pair,                                   # a `ModelPair` (`specnb.m
             row["efficiency"] = row["x_plain"] / row["bound"]
         rows.append(row)
     return dict(machine=_machine(), config=dict(sources=list(sources), gammas=list(gammas), max_tokens=max_tokens, repeats=repeats,
-                                              prompts=len(prompts), exit_layer=exit_layer, draft_head=str(draft_head) if draft_head else None),
+                                              prompts=len(prompts), exit_layer=exit_layer, draft_head=str(draft_head) if draft_head else None,
+                                              draft_model=str(draft_model) if draft_model else None),
                 costs=dict(verify_s=verify, draft_s=drafts), rows=rows)
 
 # %% ../nbs/09_bench.ipynb #264502de
@@ -271,8 +273,9 @@ def _split_sources(sources:list, pipeline:bool, given:bool)->list:
 
 def cmd_bench(args, ranks=None):
     "Run `specnb bench`: print the table, write `bench.json` and the plots to `--out`. With `ranks` (`--distributed`), every rank runs it and rank 0 reports."
-    no_draft = args.model and not args.draft_model   # a target of one's own and no draft: no two-model source, no mlx-lm
-    default = [s for s in ("two-model", "ngram", "early-exit", "head") if not (no_draft and KINDS[s].needs_draft)]
+    published = args.draft_model and published_kind(args.draft_model)   # an EAGLE-3 checkpoint: its source, not a second model
+    no_draft = args.model and (not args.draft_model or published)   # a target of one's own and no draft model: no two-model source, no mlx-lm
+    default = [s for s in ("two-model", "ngram", "early-exit", "head") if not (no_draft and KINDS[s].needs_draft)] + ([published] if published else [])
     sources = _split_sources([s for s in args.sources.split(",") if s] if args.sources else default, bool(ranks and ranks.pipeline), bool(args.sources))
     try: gammas = sorted({int(g) for g in args.gammas.split(",") if g})
     except ValueError: raise ValueError(f"--gammas takes integers separated by commas, got {args.gammas!r}") from None
@@ -284,12 +287,13 @@ def cmd_bench(args, ranks=None):
     if args.max_tokens < 1 or args.repeats < 1: raise ValueError(f"--max-tokens and --repeats must be >= 1, got {args.max_tokens} and {args.repeats}")
     if no_draft and (s := next((s for s in sources if find_kind(s).needs_draft), None)):
         raise ValueError(f"the {s} source needs a --draft-model for a target other than the bundled one")
-    mlx_lm_drafts = not args.no_mlx_lm   # mlx-lm reads --draft-model whatever the sources
+    mlx_lm_drafts = not args.no_mlx_lm and not published   # mlx-lm reads --draft-model whatever the sources, when it is a model
     refuse_unread(sources, dict(draft_model=None if mlx_lm_drafts else args.draft_model, exit_layer=args.exit_layer, draft_head=args.draft_head))
-    pair = (ranks.load if ranks else load_pair)(bench_model(args.model), args.draft_model)   # no --model: the bundled target (and --draft-model if given)
+    pair = (ranks.load if ranks else load_pair)(bench_model(args.model), None if published else args.draft_model)   # no --model: the bundled target (and --draft-model if given)
     with ranks.watch() if ranks else nullcontext() as watch:   # split: a rank that stops making progress ends the job with one line
         result = run_bench(pair, sources, gammas, texts, args.max_tokens, args.repeats, mlx_lm=not args.no_mlx_lm,
                            exit_layer=2 if args.exit_layer is None else args.exit_layer, draft_head=args.draft_head,
+                           draft_model=args.draft_model if published else None,
                            progress=not ranks or ranks.lead, tick=watch.beat if watch else None)
     if ranks:
         result["machine"]["distributed"] = dict(ranks=ranks.group.size(), parallel="pipeline" if ranks.pipeline else "tensor")
