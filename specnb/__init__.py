@@ -23,6 +23,7 @@ _LAZY = {
     **dict.fromkeys(["HeadProvider", "load_head"], "sources.head"),
     **dict.fromkeys(["Eagle3Provider", "load_eagle3"], "sources.eagle3"),
     **dict.fromkeys(["MtpProvider", "load_mtp"], "sources.mtp"),
+    **dict.fromkeys(["AssistantProvider", "load_assistant"], "sources.assistant"),
     "Tap": "tap",
 }
 __all__ = ["models", "grammar", *_LAZY]

@@ -80,6 +80,12 @@ def _read(self:SpecRotatingKVCache, a:int, m:int)->tuple:
     vs = [self.values[..., s:s + n, :] for s, n, _ in runs]
     return (ks[0], vs[0]) if len(runs) == 1 else (mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2))
 
+@patch
+def kept(self:SpecRotatingKVCache, newest:int)->tuple:
+    "The keys and values of the last `newest` positions the ring holds for sure (fewer right after it reused slots), in order: what a reader outside the target, such as a KV-borrowing drafter, may attend over."
+    lo = max(self.offset - newest, self._lo, 0)   # slack slots past `offset` hold rejected drafts: never read
+    return self._read(lo, self.offset - lo)
+
 # %% ../nbs/04a_sliding_window.ipynb #aa119912
 @patch
 def update_and_fetch(self:SpecRotatingKVCache, keys, values)->tuple:

@@ -13,6 +13,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from ..accept import sample_positions
+from ..tap import text_model
 import mlx.core as mx
 
 # %% ../../nbs/05_sources.ipynb #6c2c0f12
@@ -46,12 +47,13 @@ def fork_grammar(grammar):
 
 def output_layer(model):
     "The layer holding the target's output projection: its `lm_head`, or its token embedding (tied weights)."
+    model = text_model(model)
     return getattr(model, "lm_head", None) or model.model.embed_tokens
 
 def output_head(model):
     "The target's output projection as a callable: its `lm_head`, or its token embedding used as one (tied weights)."
     layer = output_layer(model)
-    return layer.as_linear if layer is model.model.embed_tokens else layer
+    return layer.as_linear if layer is text_model(model).model.embed_tokens else layer
 
 def draft_distribution(logits:list, sampler)->mx.array|None:
     "The `(d, V)` log-distributions `sampler` draws from, one per row of the draft's `logits` (None: no drafts, or a sampler that cannot say)."

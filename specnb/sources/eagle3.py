@@ -8,7 +8,7 @@ Docs: https://specnb.github.io/specnb/eagle3.html.md"""
 __all__ = ['LAYER_TYPES', 'FLAGS', 'Eagle3Spec', 'read_eagle3', 'Eagle3', 'checkpoint_folder', 'draft_config', 'is_eagle3',
            'load_eagle3', 'eagle3_config', 'save_eagle3', 'random_eagle3', 'Eagle3Provider']
 
-# %% ../../nbs/05m_eagle3.ipynb #581a239e
+# %% ../../nbs/05m_eagle3.ipynb #f24f41ee
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -17,8 +17,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen3
 from .base import TargetView
 from .head import HeadSource, check_head_target
+from ..tap import text_model
 
-# %% ../../nbs/05m_eagle3.ipynb #6d5c4f22
+# %% ../../nbs/05m_eagle3.ipynb #ab318871
 LAYER_TYPES = {"llama": llama, "qwen3": qwen3}   # the decoder layers published EAGLE-3 checkpoints are made of
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 _SPECULATORS_KEYS = {"speculators_model_type", "speculators_version", "speculators_config", "architectures", "transformer_layer_config",
@@ -60,7 +61,7 @@ def read_eagle3(cfg:dict)->Eagle3Spec:
                           norm_before_residual=bool(cfg.get("norm_before_residual")))
     raise ValueError("not an EAGLE-3 checkpoint: its config has neither speculators_model_type 'eagle3' nor architectures ['LlamaForCausalLMEagle3']")
 
-# %% ../../nbs/05m_eagle3.ipynb #eec4f2f8
+# %% ../../nbs/05m_eagle3.ipynb #2da10bff
 def _widen(block, width:int):
     "EAGLE-3's first layer: q, k and v read `[embedding; feature]`, `width` wide."
     at = block.self_attn
@@ -118,7 +119,7 @@ class Eagle3(nn.Module):
         full[..., mx.arange(self.spec.draft_vocab) + self.d2t] = logits
         return full
 
-# %% ../../nbs/05m_eagle3.ipynb #232d8619
+# %% ../../nbs/05m_eagle3.ipynb #c178dc29
 def checkpoint_folder(path)->Path:
     "`path` if it is a local folder, else the hub repository's config and weights, downloaded (hub ids are fetched by `huggingface_hub`)."
     if Path(path).is_dir(): return Path(path)
@@ -156,7 +157,7 @@ def load_eagle3(path)->Eagle3:
     mx.eval(drafter.parameters())
     return drafter
 
-# %% ../../nbs/05m_eagle3.ipynb #f5e1c3c2
+# %% ../../nbs/05m_eagle3.ipynb #2b520a78
 def eagle3_config(spec:Eagle3Spec)->dict:
     "`spec` as a speculators-layout `config.json`."
     ids = spec.layer_ids if spec.ids_are_inputs or spec.layer_ids is None else [i + 1 for i in spec.layer_ids]
@@ -180,7 +181,7 @@ def save_eagle3(drafter:Eagle3, path, dtype=mx.float16):
 def random_eagle3(model, layer_ids:list|None=None, # `hidden_states` indices of the tapped layers (None: EAGLE-3's default for the target's depth)
                   draft_vocab:int=0, seed:int=0, heads:int=4)->Eagle3:
     "An untrained EAGLE-3 drafter as wide as `model` (an mlx-lm model): same seed, same weights (and draft vocabulary)."
-    a = model.args
+    a = text_model(model).args
     layer = dict(model_type="llama", hidden_size=a.hidden_size, intermediate_size=2 * a.hidden_size, num_hidden_layers=1, num_attention_heads=heads,
                  num_key_value_heads=heads, head_dim=a.hidden_size // heads, rms_norm_eps=1e-5, vocab_size=a.vocab_size, rope_theta=10000.0)
     mx.random.seed(seed)
@@ -191,7 +192,7 @@ def random_eagle3(model, layer_ids:list|None=None, # `hidden_states` indices of 
     mx.eval(d.parameters())
     return d
 
-# %% ../../nbs/05m_eagle3.ipynb #9bf2b6cd
+# %% ../../nbs/05m_eagle3.ipynb #0c9e8eff
 class Eagle3Provider:
     "Drafting with a published EAGLE-3 checkpoint on the target's hidden states; each request gets the chain `HeadSource`."
     def __init__(self, drafter:Eagle3|str|Path): # a loaded drafter, or a folder or hub id holding one
@@ -199,7 +200,7 @@ class Eagle3Provider:
 
     def tap_layers(self, model)->list:
         "The layers of `model` this checkpoint reads; a `ValueError` naming the field and both values if it does not fit."
-        s, a = self.drafter.spec, getattr(model, "args", None)
+        s, a = self.drafter.spec, getattr(text_model(model), "args", None)
         L, H, V = (getattr(a, f, None) for f in ("num_hidden_layers", "hidden_size", "vocab_size"))
         taps = s.tap_layers(L) if L else []
         if L and not all(0 <= t < L for t in taps):

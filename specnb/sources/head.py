@@ -19,13 +19,13 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from ..models import bundled_dir
 from ..recurrent import spec_cache
-from ..tap import arch_name, check_tappable, probe_tap
+from ..tap import arch_name, check_tappable, probe_tap, text_model
 from .base import TargetView, draft_distribution, draft_tokens, output_head, output_layer
 
 # %% ../../nbs/05e_head.ipynb #82af87f1
 def check_head_target(model, tap_layers:list)->list:
     "`tap_layers` as ints; a `ValueError` naming the architecture and the reason where a head cannot read `model`."
-    arch, inner, a = arch_name(model), getattr(model, "model", None), getattr(model, "args", None)
+    arch, inner, a = arch_name(model), getattr(text_model(model), "model", None), getattr(text_model(model), "args", None)
     if not (hasattr(inner, "embed_tokens") and hasattr(inner, "norm")):
         raise ValueError(f"the draft head cannot read {arch}: it needs the decoder at model.model with embed_tokens and a final norm (mlx-lm's llama-family layout)")
     if not all(hasattr(a, f) for f in ("num_hidden_layers", "hidden_size", "vocab_size")):
@@ -60,7 +60,7 @@ class HeadConfig:
     @classmethod
     def for_target(cls, model, tap_layers:list, **kw)->"HeadConfig":
         "A config sized for `model` (an mlx-lm model)."
-        layers, a = check_head_target(model, tap_layers), model.args
+        layers, a = check_head_target(model, tap_layers), text_model(model).args
         return cls(tap_layers=layers, target_layers=a.num_hidden_layers, target_hidden=a.hidden_size, vocab_size=a.vocab_size, **kw)
 
 class DraftHead(nn.Module):
@@ -93,7 +93,7 @@ class DraftHead(nn.Module):
 
     def logits(self, model, a, rows=None)->mx.array:
         "Logits of head outputs `a` through `model`'s final norm and lm-head: over the draft vocabulary when given its `rows`."
-        x = model.model.norm(self.out(a))
+        x = text_model(model).model.norm(self.out(a))
         return output_head(model)(x) if rows is None else x @ rows.T
 
     def readout(self, model, a, rows=None)->mx.array:
@@ -150,7 +150,7 @@ class HeadSource:
                  tap_layers:list|None=None): # the target layers it reads (default: the head's own)
         self.head, self.target, self.sampler, self.grammar = head, target, sampler, grammar
         self.tap_layers = tap_layers or head.cfg.tap_layers
-        self.embed = head.embed_tokens if "embed_tokens" in head else target.model.model.embed_tokens   # its own, else the target's
+        self.embed = head.embed_tokens if "embed_tokens" in head else text_model(target.model).model.embed_tokens   # its own, else the target's
         self.rows = head.vocab_rows(target.model)
         self.cache, self.tokens, self.last, self.newest, self.out, self.logits, self.skipped = HeadCache(head.depth), [], None, None, [], [], None
 
@@ -227,7 +227,7 @@ class HeadProvider:
     def check(self, model):
         "Raise `ValueError` unless the head was trained for a target shaped like `model` (call at start-up)."
         check_head_target(model, self.head.cfg.tap_layers)
-        c, a = self.head.cfg, getattr(model, "args", None)
+        c, a = self.head.cfg, getattr(text_model(model), "args", None)
         want = (c.target_layers, c.target_hidden, c.vocab_size)
         have = tuple(getattr(a, f, None) for f in ("num_hidden_layers", "hidden_size", "vocab_size"))
         if want != have:

@@ -12,14 +12,14 @@ __all__ = ['DECODER_LAYERS', 'MTP_HEADS', 'TINY_MTP', 'ZERO_CENTRED', 'DEEPSEEK_
 
 # %% ../../nbs/05n_mtp.ipynb #2fa2edcb
 import json, struct
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 import mlx.core as mx, mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models import deepseek_v3, glm4_moe, qwen3_next
+from mlx_lm.models import deepseek_v3, glm4_moe, qwen3_5, qwen3_next
 from mlx_lm.models.base import create_attention_mask
 from ..recurrent import tiny_hybrid
-from ..tap import arch_name
+from ..tap import arch_name, text_model
 from .base import TargetView, output_head
 from .head import HeadSource, check_head_target
 
@@ -72,7 +72,7 @@ def checkpoint_config(path)->dict:
 
 # %% ../../nbs/05n_mtp.ipynb #53cf9a4c
 DECODER_LAYERS = {"deepseek_v3": deepseek_v3.DeepseekV3DecoderLayer, "glm4_moe": glm4_moe.DecoderLayer,
-                  "qwen3_next": qwen3_next.Qwen3NextDecoderLayer}   # mlx-lm's decoder layer of each target whose MTP head is read
+                  "qwen3_next": qwen3_next.Qwen3NextDecoderLayer, "qwen3_5_text": qwen3_5.DecoderLayer, "qwen3_5_moe_text": qwen3_5.DecoderLayer}   # mlx-lm's decoder layer of each target whose MTP head is read
 
 class MtpHead(nn.Module):
     "What both layouts share: the target's last hidden state as the feature (after its final norm, or before), and a decoder stack with a cache per layer."
@@ -123,14 +123,15 @@ class DeepseekMtp(MtpHead):
 
 # %% ../../nbs/05n_mtp.ipynb #037b6797
 class QwenMtp(MtpHead):
-    "Qwen3-Next: h' = norm(layers(fc([norm_e(E x); norm_h(h)]))); logits = the target's lm-head(h')."
-    archs = ("qwen3_next",)
+    "Qwen3-Next and Qwen3.5: h' = norm(layers(fc([norm_e(E x); norm_h(h)]))); logits = the target's lm-head(h')."
+    archs = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
     def __init__(self, target, depth:int=1, moe:bool=True, own_embed:bool=False, post_norm:bool=True):
         super().__init__(target, post_norm)
         a = target.args
         H, eps = a.hidden_size, a.rms_norm_eps
         # every MTP layer is full attention; MoE where the checkpoint has experts
-        args = replace(a, full_attention_interval=1, mlp_only_layers=[], decoder_sparse_step=1, num_experts=a.num_experts if moe else 0)
+        full = dict(full_attention_interval=1, mlp_only_layers=[], decoder_sparse_step=1, num_experts=a.num_experts if moe else 0)
+        args = replace(a, **{k: v for k, v in full.items() if k in {f.name for f in fields(a)}})   # Qwen3.5's arguments have no mlp_only_layers
         self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=eps), nn.RMSNorm(H, eps=eps)
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.layers = [DECODER_LAYERS[a.model_type](args, i) for i in range(depth)]
@@ -153,20 +154,20 @@ TINY_MTP = {"deepseek_v3": dict(_MOE, kv_lora_rank=16, q_lora_rank=32, qk_rope_h
             "glm4_moe": dict(_MOE, head_dim=16, norm_topk_prob=True, rope_scaling=None, use_qk_norm=True, attention_bias=False,
                              partial_rotary_factor=0.5)}
 
-def tiny_mtp_target(arch:str,         # deepseek_v3, glm4_moe or qwen3_next
+def tiny_mtp_target(arch:str,         # deepseek_v3, glm4_moe, qwen3_next or qwen3_5
                     seed:int=0,        # weights are drawn from this seed
                     scale:float=3.0,   # multiplies the logits (peakier: fewer near-ties under greedy)
                     **config,          # config keys to change (e.g. `vocab_size=16`)
                    ):
     "A random two-layer mlx-lm `arch` target (fp32) whose MTP head this notebook can read; qwen3_next is `tiny_hybrid`'s."
-    if arch == "qwen3_next": model = tiny_hybrid(arch, seed, **config)
+    if arch in ("qwen3_next", "qwen3_5"): model = tiny_hybrid(arch, seed, **config)
     else:
         if arch not in TINY_MTP: raise ValueError(f"unknown MTP target {arch!r}; choose one of {sorted(MTP_HEADS)}")
         module = {"deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe}[arch]
         mx.random.seed(seed)
         model = module.Model(module.ModelArgs.from_dict({"model_type": arch, "vocab_size": 128, **TINY_MTP[arch], **config}))
         model.set_dtype(mx.float32)
-    model.model.norm.weight = model.model.norm.weight * scale
+    text_model(model).model.norm.weight = text_model(model).model.norm.weight * scale
     mx.eval(model.parameters())
     return model
 
@@ -218,12 +219,13 @@ def checkpoint_tensors(head:MtpHead, target)->dict:
     if q + "embed_q.weight" in w:   # MLA: mlx-lm splits the checkpoint's kv_b_proj into embed_q and unembed_out
         wk, wv = w.pop(q + "embed_q.weight"), w.pop(q + "unembed_out.weight")
         w[q + "kv_b_proj.weight"] = mx.concatenate([wk.swapaxes(-1, -2), wv], axis=1).reshape(-1, wk.shape[1])
-    N = target.args.num_hidden_layers
+    N = text_model(target).args.num_hidden_layers
     return {f"model.layers.{N}." + k.removeprefix("layers.0."): v for k, v in w.items()}
 
 def random_mtp_checkpoint(target, path, seed:int=0, noise:float=0.05, **options)->Path:
     "Write a random MTP head for `target` into the folder `path` as its original checkpoint would hold it (tests); `options`: the head's."
     mx.random.seed(seed)
+    target = text_model(target)
     head = MTP_HEADS[arch_name(target)](target, **options)
     head.update(tree_map(lambda w: w + noise * mx.random.normal(w.shape), head.parameters()))
     path = Path(path)
@@ -236,11 +238,9 @@ def random_mtp_checkpoint(target, path, seed:int=0, noise:float=0.05, **options)
 # %% ../../nbs/05n_mtp.ipynb #69ab514a
 def check_mtp_target(model)->int:
     "The target layer the MTP head reads (its last); a `ValueError` naming the architecture where native MTP cannot draft for `model`."
-    arch = arch_name(model)
-    if arch not in MTP_HEADS:
-        why = ": mlx-lm keeps its decoder under language_model, where the tap cannot read it" if arch.startswith("qwen3_5") else ""
-        raise ValueError(f"native MTP drafting reads {', '.join(MTP_HEADS)} targets, not {arch}{why}")
-    last = model.args.num_hidden_layers - 1
+    arch = arch_name(text_model(model))
+    if arch not in MTP_HEADS: raise ValueError(f"native MTP drafting reads {', '.join(MTP_HEADS)} targets, not {arch}")
+    last = text_model(model).args.num_hidden_layers - 1
     check_head_target(model, [last])
     return last
 
@@ -277,6 +277,7 @@ def load_mtp(path,                 # the target's original checkpoint: a folder 
             )->MtpHead:
     "The MTP head published in the checkpoint at `path`, built for `target`; a one-line `ValueError` where it does not fit."
     check_mtp_target(target)
+    target = text_model(target)   # Qwen3.5: its language model
     where = checkpoint_keys(path)
     prefix = mtp_prefix(path, where, target)
     head_cls = MTP_HEADS[arch_name(target)]
@@ -304,4 +305,4 @@ class MtpProvider:
     def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->HeadSource:
         if target is None: raise ValueError("the MTP source reads the target: open it with target=TargetView(model, cache)")
         self.check(target.model)
-        return HeadSource(self.head, target, sampler, grammar, tap_layers=[target.model.args.num_hidden_layers - 1])
+        return HeadSource(self.head, target, sampler, grammar, tap_layers=[text_model(target.model).args.num_hidden_layers - 1])

@@ -62,6 +62,11 @@ def _mtp(draft, draft_model=None):
     if draft_model is None: raise ValueError("mtp drafting reads the MTP layers in the target's original checkpoint: give it with --model (or --draft-model)")
     return MtpProvider(draft_model)
 
+def _assistant(draft, draft_model=None):
+    from specnb.sources.assistant import AssistantProvider
+    if draft_model is None: raise ValueError("assistant drafting reads a published Gemma 4 assistant checkpoint: give it with --draft-model (a folder or hub id)")
+    return AssistantProvider(draft_model)
+
 def behind_lookup(kind:DraftKind)->DraftKind:
     "`kind` behind prompt lookup: `{name}+lookup`, reading its options and the n-gram lengths."
     def make(draft, ngram_min=None, ngram_max=None, **options):
@@ -71,7 +76,8 @@ def behind_lookup(kind:DraftKind)->DraftKind:
 
 _MODEL_KINDS = [DraftKind("two-model", _two_model, ("draft_p_min",), needs_draft=True), DraftKind("early-exit", _early_exit, ("exit_layer",), reads_layers=True),
                 DraftKind("head", _head, ("draft_head",), reads_layers=True), DraftKind("eagle3", _eagle3, ("draft_model",), reads_layers=True),
-                DraftKind("mtp", _mtp, ("draft_model",), reads_layers=True, in_target=True)]
+                DraftKind("mtp", _mtp, ("draft_model",), reads_layers=True, in_target=True),
+                DraftKind("assistant", _assistant, ("draft_model",), reads_layers=True)]
 KINDS = {k.name: k for k in [_MODEL_KINDS[0], DraftKind("ngram", _ngram, ("ngram_min", "ngram_max")), *_MODEL_KINDS[1:],
                              DraftKind("none", lambda draft: None), *map(behind_lookup, _MODEL_KINDS)]}
 
@@ -114,11 +120,12 @@ def make_provider(kind:str,                # a key of KINDS
 
 # %% ../../nbs/05l_registry.ipynb #adc7df6c
 def published_kind(path)->str|None:
-    "The kind of the published drafter checkpoint at `path` (a folder or hub id) — `eagle3` — or None (an mlx-lm draft model, or nothing readable)."
+    "The kind of the published drafter checkpoint at `path` (a folder or hub id) — `eagle3` or `assistant` — or None (an mlx-lm draft model, or nothing readable)."
     from specnb.sources.eagle3 import draft_config, is_eagle3
+    from specnb.sources.assistant import MODEL_TYPE
     try: cfg = draft_config(path)
     except (OSError, ValueError): return None   # not here or not reachable: the loader says why
-    return "eagle3" if is_eagle3(cfg) else None
+    return "eagle3" if is_eagle3(cfg) else "assistant" if (cfg or {}).get("model_type") == MODEL_TYPE else None
 
 def draft_kind(model, draft_model, kind=None, draft_head=None, lookup_first:bool=False)->str:
     "The draft kind for these arguments: `kind`, or the one they imply; `lookup_first` puts prompt lookup in front of it."
