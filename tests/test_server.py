@@ -356,6 +356,28 @@ def test_other_draft_kinds_serve_the_same_text(kind, client):
         again = c.completions.create(model=MODEL, prompt="def read_config(path):\n    " + ref + "\n", max_tokens=10)
         assert again.usage.prompt_tokens_details.cached_tokens > 0
 
+@pytest.fixture(scope="module")
+def eagle3_folder(tmp_path_factory, pair):
+    "An EAGLE-3 checkpoint for the bundled target in vLLM's layout (random weights: the text must not change, whatever it drafts)."
+    from specnb.sources.eagle3 import random_eagle3, save_eagle3
+    folder = tmp_path_factory.mktemp("eagle3")
+    save_eagle3(random_eagle3(pair.target, [2, 4, 6], draft_vocab=1024), folder)
+    return folder
+
+def test_a_published_drafter_serves_the_same_text(client, eagle3_folder):
+    "`--draft-model` with an EAGLE-3 checkpoint: recognised by its config, lossless through the server, and a follow-up turn on the saved caches."
+    prompt = "def read_config(path):\n    "
+    ref = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40).choices[0].text
+    with running_server("--draft-model", str(eagle3_folder)) as u:
+        c = openai.OpenAI(base_url=u + "/v1", api_key="not-needed", max_retries=0)
+        assert httpx.get(u + "/health").json()["draft_kind"] == "eagle3"
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=40)
+        assert r.choices[0].text == ref and r.usage.speculation["drafted"] > 0
+        follow = prompt + ref + "\n"
+        again = c.completions.create(model=MODEL, prompt=follow, max_tokens=16)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        assert again.choices[0].text == client.completions.create(model=MODEL, prompt=follow, max_tokens=16).choices[0].text
+
 def test_lookup_first_serves_the_same_text(client):
     "Prompt lookup in front of the head through the server: the same text, a follow-up turn on the saved target and head caches."
     prompt = "class Node:\n    def __init__(self, name):\n        self.name = name\n\nclass Leaf:\n    def __init__(self, name):\n"
