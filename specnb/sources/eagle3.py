@@ -8,7 +8,7 @@ Docs: https://specnb.github.io/specnb/eagle3.html.md"""
 __all__ = ['LAYER_TYPES', 'FLAGS', 'Eagle3Spec', 'read_eagle3', 'Eagle3', 'checkpoint_folder', 'draft_config', 'is_eagle3',
            'load_eagle3', 'eagle3_config', 'save_eagle3', 'random_eagle3', 'Eagle3Provider']
 
-# %% ../../nbs/05m_eagle3.ipynb #f24f41ee
+# %% ../../nbs/05m_eagle3.ipynb #7c11fa0a
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -19,7 +19,7 @@ from .base import TargetView
 from .head import HeadSource, check_head_target
 from ..tap import text_model
 
-# %% ../../nbs/05m_eagle3.ipynb #ab318871
+# %% ../../nbs/05m_eagle3.ipynb #e6094520
 LAYER_TYPES = {"llama": llama, "qwen3": qwen3}   # the decoder layers published EAGLE-3 checkpoints are made of
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 _SPECULATORS_KEYS = {"speculators_model_type", "speculators_version", "speculators_config", "architectures", "transformer_layer_config",
@@ -61,7 +61,7 @@ def read_eagle3(cfg:dict)->Eagle3Spec:
                           norm_before_residual=bool(cfg.get("norm_before_residual")))
     raise ValueError("not an EAGLE-3 checkpoint: its config has neither speculators_model_type 'eagle3' nor architectures ['LlamaForCausalLMEagle3']")
 
-# %% ../../nbs/05m_eagle3.ipynb #2da10bff
+# %% ../../nbs/05m_eagle3.ipynb #d2d0ad5c
 def _widen(block, width:int):
     "EAGLE-3's first layer: q, k and v read `[embedding; feature]`, `width` wide."
     at = block.self_attn
@@ -119,7 +119,7 @@ class Eagle3(nn.Module):
         full[..., mx.arange(self.spec.draft_vocab) + self.d2t] = logits
         return full
 
-# %% ../../nbs/05m_eagle3.ipynb #c178dc29
+# %% ../../nbs/05m_eagle3.ipynb #80e21b5c
 def checkpoint_folder(path)->Path:
     "`path` if it is a local folder, else the hub repository's config and weights, downloaded (hub ids are fetched by `huggingface_hub`)."
     if Path(path).is_dir(): return Path(path)
@@ -157,7 +157,7 @@ def load_eagle3(path)->Eagle3:
     mx.eval(drafter.parameters())
     return drafter
 
-# %% ../../nbs/05m_eagle3.ipynb #2b520a78
+# %% ../../nbs/05m_eagle3.ipynb #0ce18135
 def eagle3_config(spec:Eagle3Spec)->dict:
     "`spec` as a speculators-layout `config.json`."
     ids = spec.layer_ids if spec.ids_are_inputs or spec.layer_ids is None else [i + 1 for i in spec.layer_ids]
@@ -192,7 +192,7 @@ def random_eagle3(model, layer_ids:list|None=None, # `hidden_states` indices of 
     mx.eval(d.parameters())
     return d
 
-# %% ../../nbs/05m_eagle3.ipynb #0c9e8eff
+# %% ../../nbs/05m_eagle3.ipynb #2dacfb93
 class Eagle3Provider:
     "Drafting with a published EAGLE-3 checkpoint on the target's hidden states; each request gets the chain `HeadSource`."
     def __init__(self, drafter:Eagle3|str|Path): # a loaded drafter, or a folder or hub id holding one
@@ -210,8 +210,13 @@ class Eagle3Provider:
         if V is not None and self.drafter.vocab_size != V: raise ValueError(f"EAGLE-3 checkpoint: vocab_size {self.drafter.vocab_size}, but the target's vocab_size is {V}")
         return check_head_target(model, taps)
 
-    def check(self, model): self.tap_layers(model)
+    def check(self, model):
+        "Refuse a checkpoint that does not fit `model` (call at start-up); compute in the target's dtype (a float16 checkpoint on a float32 target is slow on a CPU)."
+        self.tap_layers(model)
+        e = text_model(model).model.embed_tokens
+        self.drafter.set_dtype(e.scales.dtype if "scales" in e else e.weight.dtype)   # a quantized target: its scales' dtype
 
     def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->HeadSource:
         if target is None: raise ValueError("the EAGLE-3 source reads the target: open it with target=TargetView(model, cache)")
+        self.check(target.model)
         return HeadSource(self.drafter, target, sampler, grammar, tap_layers=self.tap_layers(target.model))
