@@ -137,7 +137,7 @@ def random_assistant(target, path, seed:int=0, **kw)->Path:
     mx.eval(d.parameters())
     return save_assistant(d, path)
 
-# %% ../../nbs/05p_assistant.ipynb #1ffed2fb
+# %% ../../nbs/05p_assistant.ipynb #66cf467e
 def tiny_gemma4(seed:int=0, hidden_size:int=64, vocab_size:int=512, window:int=8):
     "A random mlx-lm gemma4_text target: 6 layers (the last 2 KV-shared), sliding window `window`."
     mx.random.seed(seed)

@@ -8,7 +8,7 @@ Docs: https://specnb.github.io/specnb/eagle3.html.md"""
 __all__ = ['LAYER_TYPES', 'FLAGS', 'Eagle3Spec', 'read_eagle3', 'Eagle3', 'checkpoint_folder', 'draft_config', 'is_eagle3',
            'load_eagle3', 'eagle3_config', 'save_eagle3', 'random_eagle3', 'Eagle3Provider']
 
-# %% ../../nbs/05m_eagle3.ipynb #7c11fa0a
+# %% ../../nbs/05m_eagle3.ipynb #29d49ad4
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -19,7 +19,7 @@ from .base import TargetView
 from .head import HeadSource, check_head_target
 from ..tap import text_model
 
-# %% ../../nbs/05m_eagle3.ipynb #e6094520
+# %% ../../nbs/05m_eagle3.ipynb #3a4d1f3a
 LAYER_TYPES = {"llama": llama, "qwen3": qwen3}   # the decoder layers published EAGLE-3 checkpoints are made of
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 _SPECULATORS_KEYS = {"speculators_model_type", "speculators_version", "speculators_config", "architectures", "transformer_layer_config",
@@ -61,7 +61,7 @@ def read_eagle3(cfg:dict)->Eagle3Spec:
                           norm_before_residual=bool(cfg.get("norm_before_residual")))
     raise ValueError("not an EAGLE-3 checkpoint: its config has neither speculators_model_type 'eagle3' nor architectures ['LlamaForCausalLMEagle3']")
 
-# %% ../../nbs/05m_eagle3.ipynb #d2d0ad5c
+# %% ../../nbs/05m_eagle3.ipynb #bdaa1920
 def _widen(block, width:int):
     "EAGLE-3's first layer: q, k and v read `[embedding; feature]`, `width` wide."
     at = block.self_attn
@@ -119,7 +119,7 @@ class Eagle3(nn.Module):
         full[..., mx.arange(self.spec.draft_vocab) + self.d2t] = logits
         return full
 
-# %% ../../nbs/05m_eagle3.ipynb #80e21b5c
+# %% ../../nbs/05m_eagle3.ipynb #e3c63147
 def checkpoint_folder(path)->Path:
     "`path` if it is a local folder, else the hub repository's config and weights, downloaded (hub ids are fetched by `huggingface_hub`)."
     if Path(path).is_dir(): return Path(path)
@@ -157,7 +157,7 @@ def load_eagle3(path)->Eagle3:
     mx.eval(drafter.parameters())
     return drafter
 
-# %% ../../nbs/05m_eagle3.ipynb #0ce18135
+# %% ../../nbs/05m_eagle3.ipynb #e5c342e4
 def eagle3_config(spec:Eagle3Spec)->dict:
     "`spec` as a speculators-layout `config.json`."
     ids = spec.layer_ids if spec.ids_are_inputs or spec.layer_ids is None else [i + 1 for i in spec.layer_ids]
@@ -192,7 +192,7 @@ def random_eagle3(model, layer_ids:list|None=None, # `hidden_states` indices of 
     mx.eval(d.parameters())
     return d
 
-# %% ../../nbs/05m_eagle3.ipynb #2dacfb93
+# %% ../../nbs/05m_eagle3.ipynb #fa10df08
 class Eagle3Provider:
     "Drafting with a published EAGLE-3 checkpoint on the target's hidden states; each request gets the chain `HeadSource`."
     def __init__(self, drafter:Eagle3|str|Path): # a loaded drafter, or a folder or hub id holding one

@@ -1,4 +1,4 @@
-"""Draft with the multi-token-prediction heads that DeepSeek-V3, GLM-4.5 and Qwen3-Next publish inside their own checkpoints: one more decoder layer on the target's last hidden state, run by the head source.
+"""Draft with the multi-token-prediction heads that DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 publish inside their own checkpoints: one more decoder layer on the target's last hidden state, run by the head source.
 
 Docs: https://specnb.github.io/specnb/mtp.html.md"""
 
