@@ -1,22 +1,30 @@
 """The seam holds: every shipped draft source and wrapper has exactly the `DraftSource`/`DraftProvider` signatures, and
 the protocol declares exactly what the executor passes — checked by running the executor on a source that records its calls."""
-import inspect
+import inspect, tempfile
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from specnb import spec_generate
 from specnb.models import random_model, perturbed
 from specnb.sources.base import DraftProvider, DraftSource, NoDraft, TargetView, protocol_mismatches
 from specnb.sources.head import random_head
+from specnb.sources.eagle3 import random_eagle3
+from specnb.sources.mtp import random_mtp_checkpoint, tiny_mtp_target
+from specnb.sources.assistant import random_assistant, tiny_gemma4
 from specnb.sources.registry import KINDS, make_provider
 
 TARGET = random_model(0, scale=4)
 DRAFT = perturbed(TARGET, 0.1, seed=1)
 HEAD = random_head(TARGET, [0, 1], hidden_size=32, intermediate_size=64)
+MTP_TARGET, GEMMA4 = tiny_mtp_target("deepseek_v3"), tiny_gemma4()
+CHECKPOINTS = {"eagle3": random_eagle3(TARGET, [1, 2]), "mtp": random_mtp_checkpoint(MTP_TARGET, tempfile.mkdtemp()),
+               "assistant": random_assistant(GEMMA4, tempfile.mkdtemp())}   # published drafters, each for a target it fits
+TARGETS = {"mtp": MTP_TARGET, "assistant": GEMMA4}
 
 def shipped(kind, adaptive=False):
-    "The registry's provider for `kind` on the random target."
+    "The registry's provider for `kind` on the random target (a published drafter's on its own)."
     k = KINDS[kind]
-    return make_provider(kind, DRAFT if k.needs_draft else None, adaptive=adaptive, **k.pick(exit_layer=1, draft_head=HEAD))
+    return make_provider(kind, DRAFT if k.needs_draft else None, adaptive=adaptive,
+                         **k.pick(exit_layer=1, draft_head=HEAD, draft_model=CHECKPOINTS.get(kind.split("+")[0])))
 
 PROVIDERS = {**{k: lambda k=k: shipped(k) for k in KINDS if k != "none"},
              **{f"adaptive {k}": lambda k=k: shipped(k, adaptive=True) for k in KINDS if k != "none"}, "NoDraft": NoDraft}
@@ -24,7 +32,8 @@ PROVIDERS = {**{k: lambda k=k: shipped(k) for k in KINDS if k != "none"},
 @pytest.mark.parametrize("name", list(PROVIDERS))
 def test_shipped_sources_conform(name):
     provider = PROVIDERS[name]()
-    source = provider.open(target=TargetView(TARGET, make_prompt_cache(TARGET)))
+    target = TARGETS.get(name.removeprefix("adaptive ").split("+")[0], TARGET)
+    source = provider.open(target=TargetView(target, make_prompt_cache(target)))
     assert protocol_mismatches(provider, DraftProvider) == []
     assert protocol_mismatches(source, DraftSource) == []
     source.close()
