@@ -210,13 +210,13 @@ class Eagle3Provider:
         if V is not None and self.drafter.vocab_size != V: raise ValueError(f"EAGLE-3 checkpoint: vocab_size {self.drafter.vocab_size}, but the target's vocab_size is {V}")
         return check_head_target(model, taps)
 
-    def check(self, model):
-        "Refuse a checkpoint that does not fit `model` (call at start-up); compute in the target's dtype (a float16 checkpoint on a float32 target is slow on a CPU)."
-        self.tap_layers(model)
+    def check(self, model)->list:
+        "Refuse a checkpoint that does not fit `model` (call at start-up), else the layers it reads; compute in the target's dtype (a float16 checkpoint on a float32 target is slow on a CPU)."
+        taps = self.tap_layers(model)
         e = text_model(model).model.embed_tokens
         self.drafter.set_dtype(e.scales.dtype if "scales" in e else e.weight.dtype)   # a quantized target: its scales' dtype
+        return taps
 
     def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->HeadSource:
         if target is None: raise ValueError("the EAGLE-3 source reads the target: open it with target=TargetView(model, cache)")
-        self.check(target.model)
-        return HeadSource(self.drafter, target, sampler, grammar, tap_layers=self.tap_layers(target.model))
+        return HeadSource(self.drafter, target, sampler, grammar, tap_layers=self.check(target.model))
