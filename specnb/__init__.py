@@ -24,6 +24,7 @@ _LAZY = {
     **dict.fromkeys(["Eagle3Provider", "load_eagle3"], "sources.eagle3"),
     **dict.fromkeys(["MtpProvider", "load_mtp"], "sources.mtp"),
     **dict.fromkeys(["AssistantProvider", "load_assistant"], "sources.assistant"),
+    **dict.fromkeys(["DFlashProvider", "load_dflash"], "sources.dflash"),
     "Tap": "tap",
 }
 __all__ = ["models", "grammar", *_LAZY]

@@ -26,7 +26,7 @@ def _model_args(p):
     p.add_argument("--draft-head", help="head: a folder holding a draft head trained for the target (default: the bundled target's head)")
     p.add_argument("--lookup-first", action="store_true", help="draft by prompt lookup where the last tokens occurred before, by the model elsewhere")
     p.add_argument("--adaptive", action="store_true", help="adapt the draft length per round (up to --num-draft-tokens)")
-    p.add_argument("--draft-p-min", type=float, default=None, help="two-model: stop drafting when the draft's top probability is below this")
+    p.add_argument("--draft-p-min", type=float, default=None, help="two-model, dflash: stop drafting (dflash: cut the block) where the draft's top probability is below this")
     p.add_argument("--acceptance", choices=("match", "rejection"), default="match",
                    help="when sampling: keep a draft the target samples too (match), or speculative sampling (rejection: keeps more)")
 

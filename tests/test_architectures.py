@@ -10,6 +10,7 @@ from specnb.models import perturbed
 from specnb.recurrent import tiny_hybrid
 from specnb.sources.head import random_head
 from specnb.sources.eagle3 import random_eagle3
+from specnb.sources.dflash import random_dflash
 from specnb.sources.registry import KINDS, make_provider
 
 SLIDING = {   # each architecture's own keys, on top of the shared tiny shape (as in nbs/04a_sliding_window.ipynb)
@@ -24,13 +25,13 @@ HYBRID = ["qwen3_5", "qwen3_next", "lfm2", "nemotron_h", "mamba2", "falcon_h1", 
 ARCHS = [*SLIDING, *FULL, *HYBRID]
 # the sources that read the target, where they can (nbs/05d_early_exit.ipynb, nbs/05e_head.ipynb); the rest refuse at `check`
 EARLY_EXIT = {"llama", "qwen3", "gemma3_text", "gpt_oss", "cohere2", "qwen3_5", "qwen3_next", "granitemoehybrid"}
-HEAD = {"llama", "qwen3", "gemma3_text", "gpt_oss", "cohere2", "qwen3_5", "qwen3_next", "granitemoehybrid"}   # and EAGLE-3 (nbs/05m_eagle3.ipynb)
+HEAD = {"llama", "qwen3", "gemma3_text", "gpt_oss", "cohere2", "qwen3_5", "qwen3_next", "granitemoehybrid"}   # and EAGLE-3, DFlash (nbs/05m_eagle3.ipynb, 05q_dflash.ipynb)
 
 def windowed(arch:str)->bool: return arch in SLIDING or arch == "recurrent_gemma"
 
 _models = {}
 def models(arch:str, window:int):
-    "A random `arch` target (its window `window` where it slides), a perturbed copy of it as the draft, a random head and a random EAGLE-3 drafter for it."
+    "A random `arch` target (its window `window` where it slides), a perturbed copy of it as the draft, and a random head, EAGLE-3 and DFlash drafter for it."
     key = (arch, window if windowed(arch) else None)
     if key not in _models:
         if arch in HYBRID: m = tiny_hybrid(arch, **(dict(attention_window_size=window) if arch == "recurrent_gemma" else {}))
@@ -44,14 +45,15 @@ def models(arch:str, window:int):
             mx.eval(m.parameters())
         head = random_head(m, [0, 1], hidden_size=32, intermediate_size=64) if arch in HEAD else None
         eagle = random_eagle3(m, [1, 2]) if arch in HEAD else None   # hidden_states 1 and 2: the outputs of layers 0 and 1
-        _models[key] = m, perturbed(m, 0.05), head, eagle
+        dflash = random_dflash(m, [0, 1], block_size=16) if arch in HEAD else None
+        _models[key] = m, perturbed(m, 0.05), head, eagle, dflash
     return _models[key]
 
 def sources(arch:str)->list:
     "The registry's draft kinds that apply to `arch`."
     out = ["two-model", "ngram", "two-model+lookup"]
     if arch in EARLY_EXIT: out += ["early-exit", "early-exit+lookup"]
-    if arch in HEAD: out += ["head", "head+lookup", "eagle3"]
+    if arch in HEAD: out += ["head", "head+lookup", "eagle3", "dflash"]
     return out
 
 def prompt_for(rng:random.Random, window:int)->list:
@@ -61,10 +63,10 @@ def prompt_for(rng:random.Random, window:int)->list:
 
 def check_case(arch, source, window, gamma, step, prompt, max_tokens=24):
     "One gate case: `source` on `arch` equals plain greedy decoding, never falls back, and runs rounds."
-    target, draft, head, eagle = models(arch, window)
+    target, draft, head, eagle, dflash = models(arch, window)
     plain = generate(target, prompt, max_tokens=max_tokens, prefill_step_size=step).tokens
     prov = make_provider(source, draft if KINDS[source].needs_draft else None, target=target, num_draft_tokens=gamma,
-                         **KINDS[source].pick(exit_layer=1, draft_head=head, draft_model=eagle, ngram_min=1, ngram_max=3))
+                         **KINDS[source].pick(exit_layer=1, draft_head=head, draft_model=dflash if source == "dflash" else eagle, ngram_min=1, ngram_max=3))
     r = spec_generate(target, prov, prompt, num_draft_tokens=gamma, max_tokens=max_tokens, prefill_step_size=step)
     assert r.tokens == plain, (arch, source, window, gamma, step)
     assert r.stats.fallback_at is None and r.stats.rounds > 0, (arch, source, r.stats)   # the prompt alone is longer than the window
@@ -79,11 +81,14 @@ def test_architecture(arch):
 
 @pytest.mark.parametrize("arch", sorted(set(ARCHS) - (EARLY_EXIT & HEAD)))
 def test_refusals(arch):
-    "Early exit, the head and EAGLE-3 (alone or behind prompt lookup) refuse, at `check`, a target whose layers they cannot read, naming its architecture."
-    target, head, eagle = models(arch, 8)[0], random_head(models("llama", 8)[0], [0, 1], hidden_size=32), random_eagle3(models("llama", 8)[0], [1, 2])
-    kinds = [k for k, ok in (("early-exit", arch in EARLY_EXIT), ("head", arch in HEAD), ("eagle3", arch in HEAD)) if not ok]
+    "Early exit, the head, EAGLE-3 and DFlash (alone or behind prompt lookup) refuse, at `check`, a target whose layers they cannot read, naming its architecture."
+    target, llama = models(arch, 8)[0], models("llama", 8)[0]
+    head, eagle = random_head(llama, [0, 1], hidden_size=32), random_eagle3(llama, [1, 2])
+    dflash = random_dflash(target, [0, 1], block_size=8)   # sized for the target: refused for how its layers are built, not for its sizes
+    kinds = [k for k, ok in (("early-exit", arch in EARLY_EXIT), ("head", arch in HEAD), ("eagle3", arch in HEAD), ("dflash", arch in HEAD)) if not ok]
     for kind in kinds + [k + "+lookup" for k in kinds]:
-        with pytest.raises(ValueError, match=arch): make_provider(kind, target=target, **KINDS[kind].pick(exit_layer=1, draft_head=head, draft_model=eagle))
+        with pytest.raises(ValueError, match=arch): make_provider(kind, target=target, **KINDS[kind].pick(exit_layer=1, draft_head=head,
+                                                                   draft_model=dflash if kind.startswith("dflash") else eagle))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)

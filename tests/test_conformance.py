@@ -10,6 +10,7 @@ from specnb.sources.head import random_head
 from specnb.sources.eagle3 import random_eagle3
 from specnb.sources.mtp import random_mtp_checkpoint, tiny_mtp_target
 from specnb.sources.assistant import random_assistant, tiny_gemma4
+from specnb.sources.dflash import random_dflash
 from specnb.sources.registry import KINDS, make_provider
 
 TARGET = random_model(0, scale=4)
@@ -17,7 +18,7 @@ DRAFT = perturbed(TARGET, 0.1, seed=1)
 HEAD = random_head(TARGET, [0, 1], hidden_size=32, intermediate_size=64)
 MTP_TARGET, GEMMA4 = tiny_mtp_target("deepseek_v3"), tiny_gemma4()
 CHECKPOINTS = {"eagle3": random_eagle3(TARGET, [1, 2]), "mtp": random_mtp_checkpoint(MTP_TARGET, tempfile.mkdtemp()),
-               "assistant": random_assistant(GEMMA4, tempfile.mkdtemp())}   # published drafters, each for a target it fits
+               "assistant": random_assistant(GEMMA4, tempfile.mkdtemp()), "dflash": random_dflash(TARGET, [0, 1], block_size=4)}   # published drafters, each for a target it fits
 TARGETS = {"mtp": MTP_TARGET, "assistant": GEMMA4}
 
 def shipped(kind, adaptive=False):

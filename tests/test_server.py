@@ -356,21 +356,24 @@ def test_other_draft_kinds_serve_the_same_text(kind, client):
         again = c.completions.create(model=MODEL, prompt="def read_config(path):\n    " + ref + "\n", max_tokens=10)
         assert again.usage.prompt_tokens_details.cached_tokens > 0
 
-@pytest.fixture(scope="module")
-def eagle3_folder(tmp_path_factory, pair):
-    "An EAGLE-3 checkpoint for the bundled target in vLLM's layout (random weights: the text must not change, whatever it drafts)."
+@pytest.fixture(scope="module", params=["eagle3", "dflash"])
+def published_folder(request, tmp_path_factory, pair):
+    "A published drafter's checkpoint for the bundled target — EAGLE-3 in vLLM's layout, DFlash in z-lab's — with random weights: the text must not change, whatever it drafts."
     from specnb.sources.eagle3 import random_eagle3, save_eagle3
-    folder = tmp_path_factory.mktemp("eagle3")
-    save_eagle3(random_eagle3(pair.target, [2, 4, 6], draft_vocab=1024), folder)
-    return folder
+    from specnb.sources.dflash import random_dflash, save_dflash
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "eagle3": save_eagle3(random_eagle3(pair.target, [2, 4, 6], draft_vocab=1024), folder)
+    else: save_dflash(random_dflash(pair.target, [1, 3, 4], block_size=8), folder)
+    return request.param, folder
 
-def test_a_published_drafter_serves_the_same_text(client, eagle3_folder):
-    "`--draft-model` with an EAGLE-3 checkpoint: recognised by its config, lossless through the server, and a follow-up turn on the saved caches."
+def test_a_published_drafter_serves_the_same_text(client, published_folder):
+    "`--draft-model` with an EAGLE-3 or DFlash checkpoint: recognised by its config, lossless through the server, and a follow-up turn on the saved caches."
+    kind, folder = published_folder
     prompt = "def read_config(path):\n    "
     ref = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40).choices[0].text
-    with running_server("--draft-model", str(eagle3_folder)) as u:
+    with running_server("--draft-model", str(folder), "--num-draft-tokens", "7" if kind == "dflash" else "3") as u:
         c = openai.OpenAI(base_url=u + "/v1", api_key="not-needed", max_retries=0)
-        assert httpx.get(u + "/health").json()["draft_kind"] == "eagle3"
+        assert httpx.get(u + "/health").json()["draft_kind"] == kind
         r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=40)
         assert r.choices[0].text == ref and r.usage.speculation["drafted"] > 0
         follow = prompt + ref + "\n"

@@ -6,7 +6,8 @@ Docs: https://specnb.github.io/specnb/registry.html.md"""
 
 # %% auto #0
 __all__ = ['OPTIONS', 'KINDS', 'DraftKind', 'behind_lookup', 'find_kind', 'unread_options', 'refuse_unread', 'make_provider',
-           'published_kind', 'draft_kind', 'drafting_options', 'check_drafting', 'load_drafting']
+           'published_kind', 'draft_kind', 'drafting_options', 'default_draft_tokens', 'check_drafting',
+           'load_drafting']
 
 # %% ../../nbs/05l_registry.ipynb #18e354b6
 from dataclasses import dataclass
@@ -67,6 +68,11 @@ def _assistant(draft, draft_model=None):
     if draft_model is None: raise ValueError("assistant drafting reads a published Gemma 4 assistant checkpoint: give it with --draft-model (a folder or hub id)")
     return AssistantProvider(draft_model)
 
+def _dflash(draft, draft_model=None, draft_p_min=None):
+    from specnb.sources.dflash import DFlashProvider
+    if draft_model is None: raise ValueError("dflash drafting reads a published DFlash checkpoint: give it with --draft-model (a folder or hub id)")
+    return DFlashProvider(draft_model, p_min=draft_p_min)   # p_min: the block is cut before its first unsure position
+
 def behind_lookup(kind:DraftKind)->DraftKind:
     "`kind` behind prompt lookup: `{name}+lookup`, reading its options and the n-gram lengths."
     def make(draft, ngram_min=None, ngram_max=None, **options):
@@ -77,7 +83,8 @@ def behind_lookup(kind:DraftKind)->DraftKind:
 _MODEL_KINDS = [DraftKind("two-model", _two_model, ("draft_p_min",), needs_draft=True), DraftKind("early-exit", _early_exit, ("exit_layer",), reads_layers=True),
                 DraftKind("head", _head, ("draft_head",), reads_layers=True), DraftKind("eagle3", _eagle3, ("draft_model",), reads_layers=True),
                 DraftKind("mtp", _mtp, ("draft_model",), reads_layers=True, in_target=True),
-                DraftKind("assistant", _assistant, ("draft_model",), reads_layers=True)]
+                DraftKind("assistant", _assistant, ("draft_model",), reads_layers=True),
+                DraftKind("dflash", _dflash, ("draft_model", "draft_p_min"), reads_layers=True)]
 KINDS = {k.name: k for k in [_MODEL_KINDS[0], DraftKind("ngram", _ngram, ("ngram_min", "ngram_max")), *_MODEL_KINDS[1:],
                              DraftKind("none", lambda draft: None), *map(behind_lookup, _MODEL_KINDS)]}
 
@@ -120,11 +127,13 @@ def make_provider(kind:str,                # a key of KINDS
 
 # %% ../../nbs/05l_registry.ipynb #adc7df6c
 def published_kind(path)->str|None:
-    "The kind of the published drafter checkpoint at `path` (a folder or hub id) — `eagle3` or `assistant` — or None (an mlx-lm draft model, or nothing readable)."
+    "The kind of the published drafter checkpoint at `path` (a folder or hub id) — `eagle3`, `assistant` or `dflash` — or None (an mlx-lm draft model, or nothing readable)."
     from specnb.sources.eagle3 import draft_config, is_eagle3
     from specnb.sources.assistant import MODEL_TYPE
+    from specnb.sources.dflash import is_dflash
     try: cfg = draft_config(path)
     except (OSError, ValueError): return None   # not here or not reachable: the loader says why
+    if is_dflash(cfg): return "dflash"   # before EAGLE-3: a DFlash config is a Qwen3 one with its own fields
     return "eagle3" if is_eagle3(cfg) else "assistant" if (cfg or {}).get("model_type") == MODEL_TYPE else None
 
 def draft_kind(model, draft_model, kind=None, draft_head=None, lookup_first:bool=False)->str:
@@ -150,6 +159,13 @@ def drafting_options(args)->dict:
     "The draft options in parsed arguments `args` (an option a command lacks counts as not given)."
     return {o: getattr(args, o, None) for o in OPTIONS}
 
+def default_draft_tokens(kind:str, draft_model=None)->int:
+    "γ when `--num-draft-tokens` is not given: 3, or a DFlash checkpoint's whole block (`block_size - 1` drafts per forward)."
+    if kind.split("+")[0] != "dflash" or draft_model is None: return 3
+    from specnb.sources.eagle3 import draft_config
+    from specnb.sources.dflash import read_dflash
+    return read_dflash(draft_config(draft_model) or {}).block_size - 1
+
 def check_drafting(kind:str, options:dict, adaptive:bool=False):
     "Refuse, before any model loads, an option `kind` would ignore or a value its provider refuses."
     refuse_unread([kind], options)
@@ -163,7 +179,7 @@ def load_drafting(args, loader=None):
     kind = draft_kind(args.model, args.draft_model, args.draft_kind, args.draft_head, args.lookup_first)
     if args.num_draft_tokens is not None and kind == "none":
         raise ValueError(f"--num-draft-tokens {args.num_draft_tokens}: --draft-kind none drafts nothing")
-    if args.num_draft_tokens is None: args.num_draft_tokens = 3   # the default, said here so that a given value can be told apart
+    if args.num_draft_tokens is None: args.num_draft_tokens = default_draft_tokens(kind, args.draft_model)   # said here so that a given value can be told apart
     if args.num_draft_tokens < 1: raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
     options = drafting_options(args)
     check_drafting(kind, options, args.adaptive)
