@@ -8,6 +8,7 @@ Docs: https://specnb.github.io/specnb/tap.html.md"""
 __all__ = ['text_model', 'check_tappable', 'Tap', 'arch_name', 'probe_tap']
 
 # %% ../nbs/01a_tap.ipynb #5672840e
+import weakref
 import mlx.core as mx
 from fastcore.basics import patch
 
@@ -86,12 +87,18 @@ def arch_name(model)->str:
     "The architecture's name as mlx-lm knows it (`args.model_type`), else the model's module."
     return getattr(getattr(model, "args", None), "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
 
+_PROBED = {}   # id(model) -> (a weak reference to it, the layer sets that passed)
+
 def probe_tap(model, layers):
-    "Raise `ValueError` naming the architecture unless a one-token forward of `model` can be tapped at `layers`."
+    "Raise `ValueError` naming the architecture unless a one-token forward of `model` can be tapped at `layers` (run once per model and layers)."
     from mlx_lm.models.cache import make_prompt_cache
     layers = check_tappable(model, layers)
+    ref, passed = _PROBED.get(id(model), (None, frozenset()))
+    if ref is not None and ref() is model and tuple(layers) in passed: return
     try:
         with Tap(model, layers) as tap: model(mx.array([[0]]), cache=make_prompt_cache(model))
     except (TypeError, AttributeError, ValueError) as e:
         raise ValueError(f"cannot tap {arch_name(model)} at layers {layers} ({type(e).__name__}: {e})") from e
     tap.take()
+    if ref is None or ref() is not model: passed = frozenset()   # a dead model's id, reused
+    _PROBED[id(model)] = (weakref.ref(model), passed | {tuple(layers)})

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
+from ..accept import sample_positions
 from .base import TargetView, draft_distribution, draft_tokens, output_head
 from .eagle3 import checkpoint_folder
 from .head import check_head_target
@@ -243,7 +244,10 @@ class DFlashSource:
         block = mx.array([[int(feed[-1])] + [self.drafter.spec.mask_token_id] * n], mx.uint32)   # the bonus, then masks
         x = self.embed(block) * self.drafter.spec.embedding_scale
         logits = self.drafter.logits(self.drafter(x, self.caches, start, self.context)[:, 1:], self.head)[0]   # (n, V): every draft at once
-        rows = iter(range(n))
+        if self.grammar is None and not self.p_min:   # every row drawn at once: one graph, evaluated with the verify forward
+            self.logits = [logits]
+            return sample_positions(logits, self.sampler)
+        rows = iter(range(n))   # row by row: a grammar walks its fork along the drafts, the confidence cut looks at each
         out, self.logits = draft_tokens(lambda y: logits[next(rows)][None], n, self.sampler, self.grammar,
                                         self._confident if self.p_min else None)
         return mx.concatenate(out) if out else []
