@@ -230,7 +230,27 @@ def test_bad_input_through_the_client_and_server_survives(client, url):
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=3).usage.completion_tokens == 3
 
 HOSTILE = [{"seed": -1}, {"seed": 2**64}, {"top_k": 2**64, "temperature": 1}, {"top_k": 4096, "temperature": 1}, {"logit_bias": {"²": 1}},
-           {"repetition_penalty": 5e-324}, {"temperature": 1e-40, "response_format": {"type": "json_object"}}]
+           {"repetition_penalty": 5e-324}, {"temperature": 1e-40, "response_format": {"type": "json_object"}}, {"xtc_threshold": 0.1},
+           {"min_tokens": 4, "ignore_eos": True}]
+
+def test_every_field_is_honoured_or_refused(client, url):
+    """Issue #30: a field the server does not read is a 400 naming it (it was ignored); `min_tokens` and `ignore_eos` are honoured under
+    speculation (EOS made the likeliest token: it comes exactly at `min_tokens`, or never with `ignore_eos`); unhonourable values are refused."""
+    EOS_FIRST = {"logit_bias": {"0": 100}}   # the bundled EOS id, made certain
+    for field, value in (("xtc_probability", 0.5), ("adapters", "lora"), ("functions", []), ("store", True), ("best_of", 3), ("draft_model", "x")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="x = ", max_tokens=4, extra_body={field: value})
+        assert e.value.body["param"] == field and field in e.value.body["message"], (field, e.value.body)
+    r = client.completions.create(model=MODEL, prompt="x = ", max_tokens=12, extra_body={**EOS_FIRST, "min_tokens": 5})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason, r.usage.speculation["drafted"] > 0) == (5, "stop", True)
+    r = client.completions.create(model=MODEL, prompt="x = ", max_tokens=12, extra_body={**EOS_FIRST, "ignore_eos": True})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (12, "length")
+    msgs = [{"role": "user", "content": "hi", "name": "ann"}, {"role": "assistant", "content": "hello", "refusal": None, "annotations": []},
+            {"role": "user", "content": "and?"}]
+    ok = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, user="u1", metadata={"run": "7"}, store=False, service_tier="auto")
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as e: client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, reasoning_effort="low")
+    assert e.value.body["param"] == "reasoning_effort"
 
 def test_a_bad_request_beside_a_batch_stays_its_own(client, url):
     """Three greedy requests of 120 tokens running; hostile requests arrive among them, one by one: each gets its own answer (a 400 naming the field,
@@ -253,8 +273,9 @@ def test_a_bad_request_beside_a_batch_stays_its_own(client, url):
     for extra, status, body in answers:
         assert status in (200, 400), (extra, status, body)
         if status == 400: assert body["error"]["param"] == next(iter(extra)), (extra, body)
-    assert [s for _, s, _ in answers] == [400, 400, 200, 200, 400, 400, 200], answers
-    assert answers[-1][2]["choices"][0]["text"].startswith("{")   # a temperature too small for float32: greedy, inside the grammar
+    assert [s for _, s, _ in answers] == [400, 400, 200, 200, 400, 400, 200, 400, 200], answers
+    assert answers[6][2]["choices"][0]["text"].startswith("{")   # a temperature too small for float32: greedy, inside the grammar
+    assert answers[-1][2]["usage"]["completion_tokens"] == 8   # ignore_eos: to max_tokens
 
 @pytest.mark.parametrize("endpoint,body", [("completions", {"prompt": "x"}), ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
 def test_unknown_model_is_a_404_model_not_found(client, url, endpoint, body):

@@ -170,7 +170,8 @@ def _add_routes(app:FastAPI, engine:Engine):
         if req.tools: raise APIError(400, "tools are not supported by this server", "tools")
         if req.top_logprobs is not None and not req.logprobs: raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if req.logprobs: raise APIError(400, "logprobs are not supported by this server", "logprobs")
-        prompt = await run_in_threadpool(chat_prompt, engine.limits, req.messages, asked_tokens(req) or 1, req.chat_template_kwargs)   # off the loop
+        prompt = await run_in_threadpool(chat_prompt, engine.limits, req.messages, asked_tokens(req) or 1, req.chat_template_kwargs,
+                                         req.reasoning_effort)   # off the loop
         return await respond(engine, req, "chat", prompt, request)
 
     @app.post("/v1/completions")

@@ -301,7 +301,7 @@ def _open_run(self:Engine, job:Job)->_Run:
 def _options(self:Engine, run:_Run)->dict:
     "The executor's options for the job: `spec_stream` and `Batch.add` take the same."
     job = run.job
-    return dict(num_draft_tokens=max(job.num_draft_tokens, 1), max_tokens=job.max_tokens, eos_token_ids=self.tokenizer.eos_token_ids,
+    return dict(num_draft_tokens=max(job.num_draft_tokens, 1), max_tokens=job.max_tokens, eos_token_ids=() if job.ignore_eos else self.tokenizer.eos_token_ids,
                 sampler=job.sampler, logits_processors=job.logits_processors, grammar=job.grammar, prompt_cache=run.target_cache,
                 cached_tokens=job.prompt[:run.n_cached], draft_cache=run.draft_cache, acceptance=job.acceptance,
                 prefill_step_size=self.prefill_step_size, should_stop=job.should_stop)

@@ -40,7 +40,7 @@ def usage(n_prompt:int, n_completion:int, n_cached:int, st)->dict:
 
 # %% ../../nbs/08c_protocol.ipynb #88bbf1a0
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)   # an unknown field is a 400 naming it, never dropped
 
 def _integral(v): return int(v) if isinstance(v, float) and v.is_integer() else v
 
@@ -81,6 +81,13 @@ class BaseRequest(_Body):
     stream_options: StreamOptions | None = None
     n: _Int(ge=1, le=1) = 1
     user: str | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    store: bool | None = None                                     # true is refused: nothing is stored
+    service_tier: Literal["auto", "default"] | None = None
+    min_tokens: _Int(ge=0) = 0                                    # vLLM's and mlx-lm's extensions, honoured
+    ignore_eos: bool = False
+    repetition_context_size: _Int(ge=1, le=4096) = 20
+    draft_model: str | None = None                                # mlx_lm.server's per-request draft: refused (the server's own drafts)
 
 class TextPart(_Body):
     type: Literal["text"]
@@ -89,11 +96,23 @@ class TextPart(_Body):
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None              # handed to the chat template with the message
+    tool_calls: list[dict] | None = None # an assistant's earlier tool calls, handed to the template
+    tool_call_id: str | None = None      # the call a tool message answers, handed to the template
+    refusal: None = None                 # an assistant message as OpenAI's API returns it: these are empty
+    audio: None = None
+    function_call: None = None
+    annotations: Annotated[list, Field(max_length=0)] | None = None
 
 class ChatRequest(BaseRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: _Int(ge=1) | None = None
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None   # handed to a chat template that reads it
+    modalities: list[Literal["text"]] | None = None
+    prediction: dict | None = None
     logprobs: bool | None = None
     top_logprobs: _Int(ge=0, le=20) | None = None
     chat_template_kwargs: dict | None = None   # passed to the chat template, as mlx_lm.server does (e.g. enable_thinking)
@@ -103,6 +122,7 @@ class CompletionRequest(BaseRequest):
     echo: bool = False
     logprobs: _Int() | None = None
     suffix: str | None = None
+    best_of: _Int(ge=1) | None = None
 
 # %% ../../nbs/08c_protocol.ipynb #78d465c7
 def _error_message(e:dict)->str:
@@ -110,7 +130,9 @@ def _error_message(e:dict)->str:
     loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
     if e.get("type") == "missing": return f"{loc}: field required"
     value = repr(e.get("input"))
-    return f"{loc}: {e.get('msg', 'invalid')} (got {value[:80] + '…' if len(value) > 80 else value})"
+    value = value[:80] + "…" if len(value) > 80 else value
+    if e.get("type") == "extra_forbidden": return f"{loc}: unknown field, which this server does not read (got {value}): refused rather than ignored"
+    return f"{loc}: {e.get('msg', 'invalid')} (got {value})"
 
 def _json_message(e:dict, doc)->str:
     "What is wrong with a body that is not JSON, and where: a line and column, as an editor shows them."

@@ -6,13 +6,14 @@ Docs: https://specnb.github.io/specnb/requests.html.md"""
 
 # %% auto #0
 __all__ = ['Limits', 'Job', 'least', 'count_past', 'check_context', 'encode_within', 'chat_prompt', 'completion_prompt',
-           'asked_tokens', 'make_job', 'make_grammar', 'check_model']
+           'asked_tokens', 'refuse_unhonoured', 'min_tokens_processor', 'make_job', 'make_grammar', 'check_model']
 
 # %% ../../nbs/08d_requests.ipynb #3f331d76
 import asyncio, re, threading, time
 from collections import deque
 from dataclasses import dataclass, field
 from jinja2 import TemplateError
+import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 from ..accept import Sampling
 from ..grammar import from_json_schema, json_object
@@ -47,6 +48,7 @@ class Job:
     num_draft_tokens: int = 3     # 0: no speculation
     acceptance: str = "match"     # or "rejection": speculative sampling
     seed: int | None = None
+    ignore_eos: bool = False      # stop only at max_tokens (a stop sequence or a grammar's end still stop)
     timeout: float | None = None  # seconds from queueing after which the worker stops it (--request-timeout)
     loop: asyncio.AbstractEventLoop | None = None   # the HTTP side's event loop, which waits for the events
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -126,14 +128,23 @@ def encode_within(limits, text:str, max_tokens:int, param:str, add_special_token
 
 _OWN_TEMPLATE_ARGS = {"conversation", "add_generation_prompt", "tokenize", "return_dict", "chat_template", "continue_final_message"}
 
-def chat_prompt(limits, messages:list, max_tokens:int=1, template_kwargs:dict|None=None)->list:
+def _message(m)->dict:
+    "A message as the chat template reads it: its role and text, and its name, tool calls and tool call id where it has them."
+    return {"role": m.role, "content": _text(m.content), **{k: getattr(m, k) for k in ("name", "tool_calls", "tool_call_id") if getattr(m, k) is not None}}
+
+def chat_prompt(limits, messages:list, max_tokens:int=1, template_kwargs:dict|None=None,
+                reasoning_effort:str|None=None)->list: # handed to a chat template that reads it (gpt-oss's), refused by one that does not
     "Token ids of a conversation through the tokenizer's chat template (with the request's `chat_template_kwargs`), ready for the assistant's turn."
     tokenizer = limits.tokenizer
     if getattr(tokenizer, "chat_template", None) is None: raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
+    if reasoning_effort is not None:
+        if "reasoning_effort" not in tokenizer.chat_template:
+            raise APIError(400, "reasoning_effort: this model's chat template does not read it", "reasoning_effort")
+        template_kwargs = {"reasoning_effort": reasoning_effort, **(template_kwargs or {})}
     for i, m in enumerate(messages): _unicode(_text(m.content), f"messages[{i}].content")
     if (own := sorted(_OWN_TEMPLATE_ARGS & set(template_kwargs or {}))):
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(own)}: the server sets it", "chat_template_kwargs")
-    try: text = tokenizer.apply_chat_template([{"role": m.role, "content": _text(m.content)} for m in messages],
+    try: text = tokenizer.apply_chat_template([_message(m) for m in messages],
                                               add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
     except TemplateError as e: raise APIError(400, f"the chat template refused this conversation: {e}", "messages") from None
     return encode_within(limits, text, max_tokens, "messages", add_special_tokens=False)
@@ -152,12 +163,35 @@ def asked_tokens(req)->int|None:
     "The `max_tokens` (or `max_completion_tokens`) a request names; None when it names none."
     return getattr(req, "max_completion_tokens", None) or req.max_tokens
 
+_UNHONOURED = {   # fields OpenAI or mlx_lm.server accept whose meaning this server cannot give, at the values that ask for it
+    "store": (lambda v: v, "this server does not store completions"),
+    "draft_model": (lambda v: v, "this server drafts with what it was started with (--draft-model, --draft-kind); it loads no draft per request"),
+    "best_of": (lambda v: v is not None and v > 1, "best_of > 1 needs n > 1 completions, which this server does not make yet"),
+    "tool_choice": (lambda v: v not in (None, "none"), "tools are not supported by this server"),
+    "parallel_tool_calls": (lambda v: v is not None, "tools are not supported by this server"),
+    "prediction": (lambda v: v is not None, "predicted outputs are not supported by this server yet"),
+}
+
+def refuse_unhonoured(req):
+    "400 naming the first field whose value asks for what this server cannot do (see `_UNHONOURED`)."
+    for name, (asks, why) in _UNHONOURED.items():
+        if asks(getattr(req, name, None)): raise APIError(400, f"{name}: {why}", name)
+
+def min_tokens_processor(eos_ids, n_prompt:int, min_tokens:int):
+    "A logits processor that forbids every end-of-sequence token until `min_tokens` tokens follow the `n_prompt`-token prompt."
+    eos = mx.array(sorted(eos_ids), mx.int32)
+    def forbid(tokens, logits):
+        if tokens.size - n_prompt >= min_tokens: return logits
+        return logits + mx.zeros((logits.shape[-1],)).at[eos].add(-mx.inf)
+    return forbid
+
 def make_job(limits, req:BaseRequest, endpoint:str, prompt:list, grammar)->Job:
     "Check the request's limits and build its sampler, processors and stop list into a `Job`."
     param = "prompt" if endpoint == "completions" else "messages"
     if not prompt: raise APIError(400, "the prompt is empty: send at least one token of text", param)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    refuse_unhonoured(req)
     room = None if limits.max_context is None else limits.max_context - len(prompt)
     max_tokens = asked_tokens(req) or least(limits.max_tokens, max(room, 1) if room is not None else None)   # unasked: what fits
     if max_tokens > limits.max_tokens_limit:
@@ -175,12 +209,15 @@ def make_job(limits, req:BaseRequest, endpoint:str, prompt:list, grammar)->Job:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 16: raise APIError(400, f"at most 16 stop sequences, got {len(stop)}", "stop")
     temp = limits.temp if req.temperature is None else req.temperature
-    procs = make_logits_processors(bias, req.repetition_penalty, 20, req.presence_penalty, 20, req.frequency_penalty, 20)
+    size = req.repetition_context_size   # mlx_lm.server's one window, for the three penalties
+    procs = make_logits_processors(bias, req.repetition_penalty, size, req.presence_penalty, size, req.frequency_penalty, size)
+    if req.min_tokens and not req.ignore_eos: procs.append(min_tokens_processor(limits.tokenizer.eos_token_ids, len(prompt), req.min_tokens))
     sampler = Sampling(temp=temp, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
     if sampler.greedy: sampler = None   # greedy's fast path (also a temperature too small for float32)
     return Job(endpoint, prompt, max_tokens, sampler=sampler, acceptance=req.acceptance or limits.acceptance,
                logits_processors=procs or None, grammar=grammar, stop=stop, timeout=limits.request_timeout,
-               num_draft_tokens=limits.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens, seed=req.seed)
+               num_draft_tokens=limits.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens, seed=req.seed,
+               ignore_eos=req.ignore_eos)
 
 def _plain(message:str)->str:
     "A compiler's message without the `[hh:mm:ss] /path/file.cc:123:` prefix xgrammar puts before the sentence that names the problem."
