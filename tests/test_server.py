@@ -197,7 +197,7 @@ BAD = [  # (endpoint, body, text the error message must contain)
     ("completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "'abc'"),
     ("completions", {"prompt": "x", "logit_bias": {"5": 500}}, "500"),
     ("completions", {"prompt": "x", "num_draft_tokens": -1}, "num_draft_tokens"),
-    ("completions", {"prompt": "x", "echo": True}, "echo"),
+    ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("completions", {"prompt": "x", "acceptance": "sometimes"}, "acceptance"),
     ("completions", {"prompt": "x", "temperature": 1, "top_p": 0}, "top_p"),
     ("chat/completions", {"messages": []}, "messages"),
@@ -237,7 +237,8 @@ def test_every_field_is_honoured_or_refused(client, url):
     """Issue #30: a field the server does not read is a 400 naming it (it was ignored); `min_tokens` and `ignore_eos` are honoured under
     speculation (EOS made the likeliest token: it comes exactly at `min_tokens`, or never with `ignore_eos`); unhonourable values are refused."""
     EOS_FIRST = {"logit_bias": {"0": 100}}   # the bundled EOS id, made certain
-    for field, value in (("xtc_probability", 0.5), ("adapters", "lora"), ("functions", []), ("store", True), ("best_of", 3), ("draft_model", "x")):
+    for field, value in (("xtc_probability", 0.5), ("adapters", "lora"), ("functions", []), ("store", True), ("best_of", 3), ("draft_model", "x"),
+                         ("prediction", {"type": "audio", "content": "x"})):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt="x = ", max_tokens=4, extra_body={field: value})
         assert e.value.body["param"] == field and field in e.value.body["message"], (field, e.value.body)
@@ -251,6 +252,14 @@ def test_every_field_is_honoured_or_refused(client, url):
     assert ok.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError) as e: client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, reasoning_effort="low")
     assert e.value.body["param"] == "reasoning_effort"
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Write a class."}], max_tokens=48, extra_body={"logit_bias": NO_EOS})
+    plain = client.chat.completions.create(**ask)
+    pred = client.chat.completions.create(**ask, prediction={"type": "content", "content": plain.choices[0].message.content})   # drafted from first
+    assert pred.choices[0].message.content == plain.choices[0].message.content
+    assert pred.usage.speculation["target_calls"] < plain.usage.speculation["target_calls"], (pred.usage, plain.usage)
+    echoed = client.completions.create(model=MODEL, prompt="x = ", max_tokens=6, echo=True).choices[0].text   # echo: the prompt, then the answer
+    assert echoed == "x = " + client.completions.create(model=MODEL, prompt="x = ", max_tokens=6).choices[0].text
+    assert "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt="x = ", max_tokens=6, echo=True, stream=True)) == echoed
 
 def test_a_bad_request_beside_a_batch_stays_its_own(client, url):
     """Three greedy requests of 120 tokens running; hostile requests arrive among them, one by one: each gets its own answer (a 400 naming the field,
@@ -713,6 +722,8 @@ def test_load_32_clients_all_answered():
         assert metric(u, "specnb_refused_requests_total", reason="queue_full") == codes.count(503)
         h = _idle(u)
         assert (h["status"], h["queue_depth"], h["running"], h["memory"]["requests"]) == ("ok", 0, 0, 0), h
+        deadline = time.monotonic() + 20   # anyio's idle worker threads (prompts are tokenized off the loop) exit after 10 s idle
+        while h["threads"] > start["threads"] + 8 and time.monotonic() < deadline: time.sleep(1); h = httpx.get(u + "/health").json()
         assert h["threads"] <= start["threads"] + 8, (h["threads"], start["threads"])
 
 def test_unbatchable_sources_run_one_at_a_time_and_say_so():

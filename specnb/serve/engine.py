@@ -19,6 +19,7 @@ from ..executor import spec_stream, context_length
 from ..batch import Batch, spec_generate_batch
 from ..detok import DecodedText
 from ..models import logits_width
+from ..sources.lookup_first import PredictedProvider
 from fastcore.basics import patch
 from .protocol import APIError, usage
 from .requests import Job, Limits, least
@@ -291,11 +292,16 @@ class _Run:
 def _open_run(self:Engine, job:Job)->_Run:
     "Count the job's wait and find its caches: the prompt cache's longest hit, or new ones."
     self.metrics.queue_wait.observe(time.perf_counter() - job.queued_at)
-    speculate = self.provider is not None and job.num_draft_tokens > 0
+    speculate = self.provider_for(job) is not None and job.num_draft_tokens > 0
     target_cache, draft_cache, n_cached = self.cache.fetch("spec" if speculate else "plain", job.prompt)
     if target_cache is None: target_cache = make_prompt_cache(self.model)   # the executor makes it one speculation can roll back
     first = lambda: self.metrics.ttft.observe(time.perf_counter() - job.queued_at)
     return _Run(job, speculate, target_cache, draft_cache, n_cached, TextSink(self.tokenizer, job, first))
+
+@patch
+def provider_for(self:Engine, job:Job):
+    "The job's drafting: the server's provider, with the request's predicted output (OpenAI's `prediction`) looked up first when it has one."
+    return self.provider if job.predicted is None else PredictedProvider(self.provider, job.predicted)
 
 @patch
 def _options(self:Engine, run:_Run)->dict:
@@ -312,7 +318,7 @@ def run(self:Engine, job:Job):
     with nullcontext() if self.coordinator is None else self.coordinator.running(self, job):   # every rank at once
         run = self._open_run(job)
         with RandomStream(job.seed):   # its own random numbers: a sampler that raises leaves nothing behind for the next request
-            stream = spec_stream(self.model, self.provider if run.speculate else None, job.prompt[run.n_cached:], **self._options(run))
+            stream = spec_stream(self.model, self.provider_for(job) if run.speculate else None, job.prompt[run.n_cached:], **self._options(run))
             finish = self._emit_text(run, stream)
         return self._answer(run, stream.result, finish)
 
@@ -342,7 +348,7 @@ def _join(self:Engine, batch:Batch, job:Job):
     "Add the job to the batch from its caches (a prompt-cache hit skips that much prefill); its prompt is read a chunk per round."
     try:
         run = self._open_run(job)
-        batch.add(job.prompt[run.n_cached:], self.provider if run.speculate else None, id=job, seed=job.seed,
+        batch.add(job.prompt[run.n_cached:], self.provider_for(job) if run.speculate else None, id=job, seed=job.seed,
                   on_token=run.sink.add, **self._options(run))
     except Exception as e: return self._failed(job, e)
     self.active[job] = run

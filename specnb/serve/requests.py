@@ -6,7 +6,8 @@ Docs: https://specnb.github.io/specnb/requests.html.md"""
 
 # %% auto #0
 __all__ = ['Limits', 'Job', 'least', 'count_past', 'check_context', 'encode_within', 'chat_prompt', 'completion_prompt',
-           'asked_tokens', 'refuse_unhonoured', 'min_tokens_processor', 'make_job', 'make_grammar', 'check_model']
+           'asked_tokens', 'refuse_unhonoured', 'min_tokens_processor', 'predicted_tokens', 'make_job', 'make_grammar',
+           'check_model']
 
 # %% ../../nbs/08d_requests.ipynb #3f331d76
 import asyncio, re, threading, time
@@ -49,6 +50,7 @@ class Job:
     acceptance: str = "match"     # or "rejection": speculative sampling
     seed: int | None = None
     ignore_eos: bool = False      # stop only at max_tokens (a stop sequence or a grammar's end still stop)
+    predicted: list | None = None # token ids of the request's predicted output: drafted from first
     timeout: float | None = None  # seconds from queueing after which the worker stops it (--request-timeout)
     loop: asyncio.AbstractEventLoop | None = None   # the HTTP side's event loop, which waits for the events
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -169,7 +171,6 @@ _UNHONOURED = {   # fields OpenAI or mlx_lm.server accept whose meaning this ser
     "best_of": (lambda v: v is not None and v > 1, "best_of > 1 needs n > 1 completions, which this server does not make yet"),
     "tool_choice": (lambda v: v not in (None, "none"), "tools are not supported by this server"),
     "parallel_tool_calls": (lambda v: v is not None, "tools are not supported by this server"),
-    "prediction": (lambda v: v is not None, "predicted outputs are not supported by this server yet"),
 }
 
 def refuse_unhonoured(req):
@@ -184,6 +185,15 @@ def min_tokens_processor(eos_ids, n_prompt:int, min_tokens:int):
         if tokens.size - n_prompt >= min_tokens: return logits
         return logits + mx.zeros((logits.shape[-1],)).at[eos].add(-mx.inf)
     return forbid
+
+def predicted_tokens(limits, prediction)->list|None:
+    "The token ids of a request's `prediction` (OpenAI's predicted output); None without one."
+    if prediction is None: return None
+    text = _text(prediction.content)
+    _unicode(text, "prediction.content")
+    if limits.max_context is not None and (n := count_past(limits.tokenizer, text, limits.max_context)) is not None:
+        raise APIError(400, f"prediction.content has at least {n} tokens, more than this model's context ({limits.max_context})", "prediction")
+    return limits.tokenizer.encode(text, add_special_tokens=False)
 
 def make_job(limits, req:BaseRequest, endpoint:str, prompt:list, grammar)->Job:
     "Check the request's limits and build its sampler, processors and stop list into a `Job`."
@@ -217,7 +227,7 @@ def make_job(limits, req:BaseRequest, endpoint:str, prompt:list, grammar)->Job:
     return Job(endpoint, prompt, max_tokens, sampler=sampler, acceptance=req.acceptance or limits.acceptance,
                logits_processors=procs or None, grammar=grammar, stop=stop, timeout=limits.request_timeout,
                num_draft_tokens=limits.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens, seed=req.seed,
-               ignore_eos=req.ignore_eos)
+               ignore_eos=req.ignore_eos, predicted=predicted_tokens(limits, req.prediction))
 
 def _plain(message:str)->str:
     "A compiler's message without the `[hh:mm:ss] /path/file.cc:123:` prefix xgrammar puts before the sentence that names the problem."
