@@ -19,7 +19,8 @@ def next_token_dist(model, ids, sampling):
 
 def chi2_pvalue(counts, probs):
     "Chi-square p-value of `counts` against `probs`, pooling the bins expected to hold fewer than 5 (scipy: a dev dependency, imported here)."
-    from scipy.stats import chisquare
+    try: from scipy.stats import chisquare
+    except ImportError as e: raise ImportError("chi2_pvalue needs scipy, a dev dependency: pip install scipy") from e
     impossible = probs <= 0
     assert counts[impossible].sum() == 0, "a token the target cannot sample (cut by top-p) was emitted"
     counts, probs = counts[~impossible], probs[~impossible]
