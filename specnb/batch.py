@@ -191,7 +191,7 @@ def _read(self:Batch, q:_Reading)->bool:
     r, step = q.r, q.r.o.prefill_step_size
     if q.done and r.o.should_stop is not None and r.o.should_stop(): cut = r.finish("cancelled")
     elif len(r.prompt) - 1 - q.done > step:   # not the last chunk: the same chunks `spec_generate` reads
-        q.done += prefill_drain(r.model, r.cache, r.prompt[q.done:q.done + step], step)
+        q.done += prefill_drain(r.model, r.cache, r.prompt[q.done:q.done + step], step, on_logits=r.prompt_scorer)
         return False
     else:
         prompt, r.prompt = r.prompt, r.prompt[q.done:]
@@ -404,6 +404,14 @@ def spec_generate_batch(model,                   # the target: an mlx-lm model w
         batch.close()
         raise
     return [results[i] for i in range(n)]
+
+# %% ../nbs/07e_batch.ipynb #8aa49c0c
+@patch
+def result(self:Batch, id)->SpecResult:
+    "Request `id`'s `SpecResult` as it fills in: when its `on_token` runs, `logprobs[-1]` is that token's entry."
+    x = next((x for x in self.rows + self.reading if x.id == id), None)
+    if x is None: raise KeyError(f"no request {id!r} in the batch; it holds {[x.id for x in self.rows + self.reading]}")
+    return x.r.res
 
 # %% ../nbs/07e_batch.ipynb #e26597d1
 @delegates(spec_options)

@@ -19,7 +19,7 @@ from fastcore.meta import delegates
 from mlx_lm.models.cache import make_prompt_cache
 from .prefill import prefill_drain
 from .verify import verify_forward
-from .accept import accept_walk, sample_one
+from .accept import accept_walk, sample_one, processed_logits, position_logprobs
 from .rollback import can_take, check_rollbackable, rollback
 from .recurrent import spec_cache
 from .sources.base import TargetView
@@ -83,6 +83,8 @@ class SpecResult:
     stats: SpecStats = field(default_factory=SpecStats)
     fed: int = 0                                 # the target cache holds prompt + tokens[:fed]
     draft_cache: list | None = None              # with a prompt cache: the source's caches, holding the same tokens
+    logprobs: list = field(default_factory=list) # with `logprobs=k`: per emitted token, `(logprob, [(id, logprob)] * k)`
+    prompt_logprobs: list = field(default_factory=list) # with `prompt_logprobs=k`: the same per prompt token (None for the first)
 
 # %% ../nbs/07_executor.ipynb #cf1912dc
 def spec_options(*,
@@ -98,6 +100,8 @@ def spec_options(*,
                  prefill_step_size:int=2048, # prompt tokens per prefill forward (mlx-lm's `speculative_generate_step` uses 512)
                  acceptance:str="match",     # "match": keep a draft the target samples too; "rejection": speculative sampling
                  should_stop=None,           # asked between prefill chunks; True abandons the request ("cancelled")
+                 logprobs:int|None=None,     # per emitted token, its log-probability and this many alternatives (`res.logprobs`); None: none
+                 prompt_logprobs:int|None=None, # the same per prompt token, from the prefill (`res.prompt_logprobs`); needs no `cached_tokens`
                 )->SimpleNamespace:
     "The generation options, as one value: the one place they are named, defaulted and documented."
     return SimpleNamespace(**locals())
@@ -116,6 +120,16 @@ def _check_args(prompt, num_draft_tokens, max_tokens, acceptance, sampler):
     if max_tokens < 1: raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     return prompt
 
+def _check_logprobs(o:SimpleNamespace):
+    "Refuse a `logprobs`/`prompt_logprobs` that is no count of alternatives, and prompt log-probabilities for tokens this prefill never reads."
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(o, name)
+        if k is not None and (type(k) is not int or k < 0):
+            raise ValueError(f"{name} must be None or a number of alternatives per token, an int >= 0; got {k!r}")
+    if o.prompt_logprobs is not None and o.cached_tokens:
+        raise ValueError(f"prompt_logprobs scores the prompt from the prefill forward, but {len(o.cached_tokens)} tokens are already in "
+                         "prompt_cache and were never scored here: pass the whole context as the prompt, without a prompt cache")
+
 # %% ../nbs/07_executor.ipynb #857cad4f
 @dataclass
 class SpecRequest:
@@ -133,12 +147,22 @@ class SpecRequest:
     tap: Tap | None = None       # the target's hidden states, for a source that reads them
     pending: int | None = None   # the last token the target has not read
     feed: list | None = None     # the tokens the draft has not read
+    scores: list | None = None   # with `logprobs`: the round's `(logprob, top)` per token, from `accept_drafts`
 
     @property
     def out(self)->list: return self.res.tokens
     @property
     def watch(self): return self.tap or nullcontext()   # around the target forwards whose rows the source reads
     def history(self)->mx.array|None: return mx.array(self.full + self.out, mx.uint32) if self.procs else None
+    @property
+    def prompt_scorer(self):
+        "What the prefill hands each chunk's logits to when `prompt_logprobs` are asked (None: nothing, and no logits computed)."
+        return None if self.o.prompt_logprobs is None else self._score_prompt
+
+    def _score_prompt(self, logits:mx.array):
+        "Row `j` of the chunk scores the context token after it: the next ones `res.prompt_logprobs` has no entry for."
+        scored = self.res.prompt_logprobs
+        scored += position_logprobs(logits, self.full[len(scored):len(scored) + logits.shape[0]], self.o.prompt_logprobs)
 
     def finish(self, reason:str)->bool:
         "Generation ends with `reason`; True, which a phase returns to say so."
@@ -159,12 +183,14 @@ def open_request(model,             # the target: an mlx-lm model
                 )->SpecRequest:
     "A request ready to prefill: the options checked, the target's cache, the source opened (and its tap)."
     prompt = _check_args(prompt, o.num_draft_tokens, o.max_tokens, o.acceptance, o.sampler)
+    _check_logprobs(o)
     cache = _target_cache(model, provider, o)
     full = list(o.cached_tokens or ()) + prompt
     eos = set(o.eos_token_ids or ()) | set(getattr(o.grammar, "stop_token_ids", ()))
     # greedy: p and q are point masses and both rules are exact match
     rejection = o.acceptance == "rejection" and o.sampler is not None and getattr(o.sampler, "temp", 1) != 0
     r = SpecRequest(model, cache, res, prompt, full, o, eos, o.logits_processors or None, rejection)
+    if o.prompt_logprobs is not None: res.prompt_logprobs = [None]   # the context's first token: nothing before it
     st = res.stats
     st.prompt_tokens = len(prompt)
     st.drafted_by_pos = [0] * o.num_draft_tokens
@@ -180,7 +206,7 @@ def open_request(model,             # the target: an mlx-lm model
 # %% ../nbs/07_executor.ipynb #10c1f302
 def read_prompt(r:SpecRequest)->bool:
     "The target reads `prompt[:-1]`, the source the whole context; `pending` is the last prompt token. True when `should_stop` cut it short."
-    with r.watch: fed = prefill_drain(r.model, r.cache, r.prompt[:-1], r.o.prefill_step_size, r.o.should_stop)
+    with r.watch: fed = prefill_drain(r.model, r.cache, r.prompt[:-1], r.o.prefill_step_size, r.o.should_stop, r.prompt_scorer)
     if fed < len(r.prompt) - 1: return r.finish("cancelled")
     r.pending = r.prompt[-1]
     r.feed = [r.pending]
@@ -194,10 +220,12 @@ def _plain_steps(r:SpecRequest, n_steps:int, watch=nullcontext()):
         with watch: logits = r.model(mx.array([[r.pending]], mx.uint32), cache=r.cache)[0]
         r.res.stats.target_calls += 1
         r.res.fed = len(r.out)
-        t = sample_one(logits, r.history(), r.o.sampler, r.procs, r.o.grammar).item()
+        logits = processed_logits(logits, r.history(), r.procs)
+        t = sample_one(logits, sampler=r.o.sampler, grammar=r.o.grammar).item()
         if t in r.eos: return r.finish("stop")
         if r.o.grammar is not None: r.o.grammar.advance(t)
         r.out.append(t)
+        if r.o.logprobs is not None: r.res.logprobs += position_logprobs(logits, [t], r.o.logprobs)
         yield t
         if len(r.out) == r.o.max_tokens: return r.finish("length")
         if r.o.grammar is not None and r.o.grammar.terminated: return r.finish("stop")
@@ -224,9 +252,12 @@ def accept_drafts(r:SpecRequest,
                   drafts,          # what `propose_drafts` proposed
                   d:int,           # how many
                  )->tuple:
-    "The accept walk over the window: the round's tokens (`k` accepted drafts, then the correction or bonus) and `k`."
+    "The accept walk over the window: the round's tokens (`k` accepted drafts, then the correction or bonus) and `k`; with `logprobs`, their `scores`."
     q = r.source.draft_logprobs() if r.rejection and d else None   # None (prompt lookup): exact match this round
-    return accept_walk(logits, drafts, r.o.sampler, r.procs, r.o.grammar, r.history(), r.eos, draft_logprobs=q)
+    seen = [] if r.o.logprobs is not None else None
+    toks, k = accept_walk(logits, drafts, r.o.sampler, r.procs, r.o.grammar, r.history(), r.eos, draft_logprobs=q, seen=seen)
+    if seen is not None: r.scores = position_logprobs(mx.concatenate(seen), toks, r.o.logprobs)   # the whole window: one read-back
+    return toks, k
 
 # %% ../nbs/07_executor.ipynb #f87b215f
 def _rollback(r:SpecRequest, d:int, kept:int, before:int):
@@ -244,9 +275,10 @@ def emit_tokens(r:SpecRequest,
     "The round's tokens, one at a time, until EOS, `max_tokens` or the grammar's end; then the rollback. Returns True when generation ended."
     before = len(r.out)
     try:
-        for t in toks:
+        for i, t in enumerate(toks):
             if t in r.eos: return r.finish("stop")
             r.out.append(t)
+            if r.scores is not None: r.res.logprobs.append(r.scores[i])   # before the consumer sees the token
             yield t
             if len(r.out) == r.o.max_tokens: return r.finish("length")
         # the walk already cut `toks` at the token that completed the grammar

@@ -16,7 +16,7 @@ from .distributed import share, agree as agree_everywhere, on_peer_exit, Watchdo
 from .grammar import json_object
 from .sources.registry import load_drafting
 from .serve.protocol import ChatRequest, CompletionRequest
-from .serve.requests import Job, make_job, make_grammar
+from .serve.requests import Job, make_job, tool_dicts, turn_grammar
 from .serve.memory import parse_bytes
 from .serve.engine import Engine, log
 from .serve.app import cmd_serve, engine_options, server_limits
@@ -35,7 +35,8 @@ def describe(job:Job)->dict:
 def rebuild(engine:Engine, spec:dict)->Job:
     "The job `describe` described, built on this rank from the same request by the same `make_job`; its time limit is rank 0's to judge."
     req = (ChatRequest if spec["endpoint"] == "chat" else CompletionRequest).model_validate_json(spec["body"])
-    job = make_job(engine.limits, req, spec["endpoint"], spec["prompt"], make_grammar(engine.tokenizer, req.response_format))
+    tools = tool_dicts(req) if spec["endpoint"] == "chat" else None
+    job = make_job(engine.limits, req, spec["endpoint"], spec["prompt"], turn_grammar(engine.tokenizer, req, tools, spec["prompt"]))
     job.request, job.seed, job.timeout = req, spec["seed"], None
     return job
 

@@ -252,6 +252,9 @@ def test_every_field_is_honoured_or_refused(client, url):
     assert ok.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError) as e: client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, reasoning_effort="low")
     assert e.value.body["param"] == "reasoning_effort"
+    with pytest.raises(openai.BadRequestError) as e:   # the bundled template knows no tool-call format: tools would be ignored
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert e.value.body["param"] == "tools"
     ask = dict(model=MODEL, messages=[{"role": "user", "content": "Write a class."}], max_tokens=48, extra_body={"logit_bias": NO_EOS})
     plain = client.chat.completions.create(**ask)
     pred = client.chat.completions.create(**ask, prediction={"type": "content", "content": plain.choices[0].message.content})   # drafted from first

@@ -9,6 +9,7 @@ __all__ = []
 
 # %% ../../nbs/08_serve.ipynb #8b8a22ee
 from .protocol import *
+from .answer import *
 from .requests import *
 from .memory import *
 from .engine import *

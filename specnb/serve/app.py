@@ -21,8 +21,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..grammar import json_object
 from ..sources.registry import load_drafting
 from ..blas import blas_in_use
-from .protocol import APIError, BaseRequest, ChatRequest, CompletionRequest, Reply, validation_error
-from .requests import Job, asked_tokens, chat_prompt, check_model, completion_prompt, make_grammar, make_job
+from .protocol import APIError, BaseRequest, ChatRequest, CompletionRequest, Reply, merged_usage, validation_error
+from .answer import Turn, chat_logprobs, completion_logprobs, initial_state, merge_delta
+from .requests import Choices, Job, asked_tokens, chat_prompt, check_model, completion_prompt, make_job, tool_dicts, turn_grammar
 from .memory import mib, parse_bytes
 from .engine import Engine, log
 
@@ -50,72 +51,134 @@ def _add_error_handlers(app:FastAPI, engine:Engine):
 
 # %% ../../nbs/08g_app.ipynb #ca636600
 class _SSE(StreamingResponse):
-    "A stream that flags its job cancelled however it ends — finished, client gone, or server stopping."
-    def __init__(self, body, job:Job):
+    "A stream that flags its jobs cancelled however it ends — finished, client gone, or server stopping."
+    def __init__(self, body, jobs:list):
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.job = job
+        self.jobs = jobs
     async def __call__(self, scope, receive, send):
         try: await super().__call__(scope, receive, send)
-        finally: self.job.cancelled.set()
+        finally:
+            for job in self.jobs: job.cancelled.set()
 
 def _sse(obj)->str: return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 # %% ../../nbs/08g_app.ipynb #64bb081a
 async def _events(job:Job):
-    "The job's events; text that arrived together (a round's accepted tokens) comes as one piece, one chunk."
+    "The job's events; text and logprobs that arrived together (a round's accepted tokens) come as one `('text', text, entries)`."
     while True:
         evs = await job.next_events()
         text = "".join(e[1] for e in evs if e[0] == "text")
-        if text: yield ("text", text)
+        entries = [x for e in evs if e[0] == "logprobs" for x in e[1]]
+        if text or entries: yield ("text", text, entries)
         for e in evs:
-            if e[0] != "text": yield e; return
+            if e[0] not in ("text", "logprobs"): yield e; return
 
-async def _streamed(reply:Reply, job:Job, echo:str=""):
+async def _merged(jobs:list):
+    "`(index, event)` of every job's events, as they arrive."
+    arrived = asyncio.Queue()
+    async def pump(i, job):
+        async for ev in _events(job): await arrived.put((i, ev))
+        await arrived.put((i, None))
+    pumps, left = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)], len(jobs)
+    try:
+        while left:
+            i, ev = await arrived.get()
+            if ev is None: left -= 1
+            else: yield i, ev
+    finally:
+        for t in pumps: t.cancel()
+
+class _Choice:
+    "One choice's answer as it arrives: its text as a turn's fields (chat) or plain text, its logprobs in the endpoint's shape."
+    def __init__(self, tokenizer, turn:Turn|None):
+        self.tokenizer, self.turn, self.offset = tokenizer, turn, 0   # offset: where a completion's next token starts in its text
+
+    def piece(self, text:str, entries:list)->tuple:
+        "`(delta, logprobs)` of a burst of text and its tokens' logprob entries."
+        delta = self.turn.push(text) if self.turn is not None else {"content": text} if text else {}
+        return delta, self.logprobs(entries) if entries else None
+
+    def logprobs(self, entries:list)->dict:
+        if self.turn is not None: return chat_logprobs(self.tokenizer, entries)
+        lp = completion_logprobs(self.tokenizer, entries, self.offset)
+        if lp["tokens"]: self.offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        return lp
+
+    def last(self, finish:str)->tuple:
+        "`(delta, finish reason)` at the end: what the turn held back, and 'tool_calls' when it called."
+        if self.turn is None: return {}, finish
+        delta = self.turn.close()
+        return delta, "tool_calls" if finish == "stop" and self.turn.n_calls else finish
+
+async def _streamed(reply:Reply, jobs:list, choices:list, echo:str=""):
     "The answer as server-sent events, ending `data: [DONE]`; with `include_usage`, a last chunk carries the usage; an error ends it as an event."
-    if reply.chat: yield _sse(reply.chunk(role=True))
-    if echo: yield _sse(reply.chunk(echo))
-    async for ev in _events(job):
-        if ev[0] == "text": yield _sse(reply.chunk(ev[1]))
-        elif ev[0] == "error": yield _sse(ev[1].body())
+    for i in range(len(jobs)):
+        if reply.chat: yield _sse(reply.chunk(role=True, index=i))
+        if echo: yield _sse(reply.chunk(echo, index=i))
+    usages = []
+    async for i, ev in _merged(jobs):
+        if ev[0] == "text":
+            delta, lp = choices[i].piece(ev[1], ev[2])
+            if delta or lp: yield _sse(reply.chunk(delta, logprobs=lp, index=i))
+        elif ev[0] == "error":
+            for job in jobs: job.cancel()
+            yield _sse(ev[1].body()); break
         else:
-            yield _sse(reply.chunk(finish=ev[1]))
-            if reply.usage_wanted: yield _sse({**reply.chunk(), "choices": [], "usage": ev[2]})
+            delta, finish = choices[i].last(ev[1])
+            yield _sse(reply.chunk(delta, finish=finish, index=i))
+            usages.append(ev[2])
+    if reply.usage_wanted and len(usages) == len(jobs): yield _sse({**reply.chunk(), "choices": [], "usage": merged_usage(usages)})
     yield _sse("[DONE]")
 
-async def _on_hang_up(request:Request, job:Job):
-    "Cancel `job` when its client goes away: an answer sent as one body at the end has no other way to notice."
+async def _on_hang_up(request:Request, jobs:list):
+    "Cancel the jobs when their client goes away: an answer sent as one body at the end has no other way to notice."
     while (await request.receive())["type"] != "http.disconnect": pass
-    job.cancel()
+    for job in jobs: job.cancel()
 
-async def _whole(reply:Reply, job:Job, request:Request, echo:str="")->dict:
-    "The answer as one body once the job is done; a client that goes away first cancels the job."
-    parts, watch = [echo], asyncio.create_task(_on_hang_up(request, job))
+async def _whole(reply:Reply, jobs:list, choices:list, request:Request, echo:str="")->dict:
+    "The answer as one body once every job is done; a client that goes away first cancels them."
+    deltas, entries, ends = [{"content": echo} for _ in jobs], [[] for _ in jobs], [None] * len(jobs)
+    watch = asyncio.create_task(_on_hang_up(request, jobs))
     try:
-        async for ev in _events(job):
-            if ev[0] == "text": parts.append(ev[1])
+        async for i, ev in _merged(jobs):
+            if ev[0] == "text":
+                merge_delta(deltas[i], choices[i].piece(ev[1], [])[0])
+                entries[i] += ev[2]
             elif ev[0] == "error": raise ev[1]
-            else: finish, usage = ev[1], ev[2]
-    except asyncio.CancelledError:
-        job.cancel(); raise
+            else:
+                delta, finish = choices[i].last(ev[1])
+                ends[i] = (finish, ev[2])
+                merge_delta(deltas[i], delta)
+    except BaseException:
+        for job in jobs: job.cancel()
+        raise
     finally: watch.cancel()
-    return reply.body("".join(parts), finish, usage)
+    body = [reply.choice(i, deltas[i], ends[i][0], choices[i].logprobs(entries[i]) if jobs[i].logprobs is not None else None) for i in range(len(jobs))]
+    return reply.body(body, merged_usage([u for _, u in ends]))
 
 def echo_text(tokenizer, prompt)->str:
     "A completion's prompt as `echo` returns it: the text as sent, or token ids decoded."
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str): prompt = prompt[0]
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
+# %% ../../nbs/08g_app.ipynb #51ed46cc
 async def respond(engine:Engine, req:BaseRequest, endpoint:str, prompt:list, request:Request,
                   echo:str=""): # text the answer starts with, before what is generated (a completion's `echo`: its prompt)
-    "Queue the request's job and answer it: streamed, or as one body."
-    job = make_job(engine.limits, req, endpoint, prompt, None)
-    job.request = req
-    job.grammar = await run_in_threadpool(make_grammar, engine.tokenizer, req.response_format)   # compiling can take a while
-    job.loop = asyncio.get_running_loop()
-    engine.submit(job)
+    "Queue the request's jobs (its `n` choices) and answer them: streamed, or as one body."
+    tools = tool_dicts(req) if endpoint == "chat" else None
+    jobs, group, loop = [], Choices() if req.n > 1 else None, asyncio.get_running_loop()
+    for i in range(req.n):
+        job = make_job(engine.limits, req, endpoint, prompt, None, choice=i)
+        job.request, job.group, job.loop = req, group, loop
+        job.grammar = await run_in_threadpool(turn_grammar, engine.tokenizer, req, tools, prompt)   # compiling can take a while
+        jobs.append(job)
+    engine.submit(*jobs)
     reply = Reply(endpoint, engine.limits.model_id, req.stream_options is not None and req.stream_options.include_usage)
-    if req.stream: return _SSE(_streamed(reply, job, echo), job)
-    return await _whole(reply, job, request, echo)
+    start = initial_state(engine.tokenizer, prompt) if endpoint == "chat" else None
+    parse = bool(tools) and req.tool_choice != "none"
+    choices = [_Choice(engine.tokenizer, None if start is None else Turn(engine.tokenizer, tools, start, req.stream, parse)) for _ in jobs]
+    if req.stream: return _SSE(_streamed(reply, jobs, choices, echo), jobs)
+    return await _whole(reply, jobs, choices, request, echo)
 
 # %% ../../nbs/08g_app.ipynb #1f3f14a5
 class Guard:
@@ -174,18 +237,14 @@ def _add_routes(app:FastAPI, engine:Engine):
     @app.post("/v1/chat/completions")
     async def chat_completions(req:ChatRequest, request:Request):
         check_model(engine.limits, req.model)
-        if req.tools: raise APIError(400, "tools are not supported by this server", "tools")
         if req.top_logprobs is not None and not req.logprobs: raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        if req.logprobs: raise APIError(400, "logprobs are not supported by this server", "logprobs")
         prompt = await run_in_threadpool(chat_prompt, engine.limits, req.messages, asked_tokens(req) or 1, req.chat_template_kwargs,
-                                         req.reasoning_effort)   # off the loop
+                                         req.reasoning_effort, tool_dicts(req))   # off the loop
         return await respond(engine, req, "chat", prompt, request)
 
     @app.post("/v1/completions")
     async def completions(req:CompletionRequest, request:Request):
         check_model(engine.limits, req.model)
-        for name in ("logprobs", "suffix"):
-            if getattr(req, name): raise APIError(400, f"{name} is not supported by this server", name)
         prompt = await run_in_threadpool(completion_prompt, engine.limits, req.prompt, asked_tokens(req) or 1)
         return await respond(engine, req, "completions", prompt, request, echo_text(engine.tokenizer, req.prompt) if req.echo else "")
 
