@@ -10,6 +10,7 @@ __all__ = ['check_batchable', 'Batch', 'spec_generate_batch', 'batch_throughput'
 # %% ../nbs/07e_batch.ipynb #6a448f72
 import statistics, time
 from dataclasses import dataclass
+from types import SimpleNamespace
 import mlx.core as mx
 from fastcore.basics import patch
 from fastcore.meta import delegates
@@ -19,6 +20,7 @@ from .rollback import leaves
 from .ragged import RaggedKVCache, Slot, lend, take_back
 from .window import SpecRotatingKVCache
 from .sources.base import TargetView
+from .tap import Tap
 from .accept import sample_positions, RandomStream
 from .sources.two_model import TwoModelSource
 from .executor import SpecRequest, SpecResult, spec_generate, spec_options
@@ -42,21 +44,18 @@ def check_batchable(model):
                                "which are not supported yet: run its requests one at a time with spec_generate")
 
 # %% ../nbs/07e_batch.ipynb #96e95e6d
-class _TargetCacheNotShared(list):
-    "The target's caches as a batched request's source sees them: refused, with the reason."
-    def __getitem__(self, i): raise ValueError("this draft source reads the target's own caches (early exit); batched rounds keep them "
-                                               "in one shared batch and do not lend them to sources yet: use spec_generate for it")
+class _RequestCaches(list):
+    "The target's caches as a batched request's source sees them: a layer's `offset` now (its own row's, for a lockstep check) once the request is open; the caches themselves are refused."
+    def __init__(self, request): super().__init__(); self.request = request   # `request.r`: the executor's request, set once it is open
+    def __getitem__(self, i):
+        if isinstance(i, int) and self.request.r is not None: return SimpleNamespace(offset=self.request.r.cache[i].offset)
+        raise ValueError("this draft source reads the target's own caches (early exit, a KV-borrowing assistant); batched rounds keep them "
+                         "in one shared batch and do not lend them to sources yet: use spec_generate for it")
 
 class _Blind:
-    "A provider whose sources must draft without the target's caches or hidden states (what batched rounds can give them now)."
-    def __init__(self, provider): self.provider = provider
-    def open(self, target=None, **kw):
-        src = self.provider.open(target=TargetView(target.model, _TargetCacheNotShared()), **kw)
-        if getattr(src, "tap_layers", None):
-            src.close()
-            raise ValueError(f"this draft source reads the target's hidden states (tap_layers={src.tap_layers}); batched rounds do not "
-                             "route them yet: use spec_generate for it")
-        return src
+    "A provider whose sources draft without the target's caches (they see each layer's offset, `_RequestCaches`); its hidden states they get, row by row (`_verify`)."
+    def __init__(self, provider, request): self.provider, self.request = provider, request
+    def open(self, target=None, **kw): return self.provider.open(target=TargetView(target.model, _RequestCaches(self.request)), **kw)
 
 # %% ../nbs/07e_batch.ipynb #9807f801
 def _drafts_together(src)->bool:
@@ -177,7 +176,9 @@ def add(self:Batch, prompt, provider=None, *,
     if any(x.id == id for x in self.rows + self.reading): raise ValueError(f"a request {id!r} is already in the batch: give each request its own id")
     rng = RandomStream(seed)   # a bad seed is refused here, before anything is opened
     self._n += 1
-    r = open_request(self.model, _Blind(provider) if provider is not None else None, prompt, SpecResult(), spec_options(**kwargs))
+    request = SimpleNamespace(r=None)   # what its source's view of the target's caches reads, once it is open
+    r = open_request(self.model, _Blind(provider, request) if provider is not None else None, prompt, SpecResult(), spec_options(**kwargs))
+    request.r = r
     q = _Reading(id, r, rng, on_token, time.perf_counter())
     if self.interleave_prefill: self.reading.append(q)
     else:
@@ -191,7 +192,7 @@ def _read(self:Batch, q:_Reading)->bool:
     r, step = q.r, q.r.o.prefill_step_size
     if q.done and r.o.should_stop is not None and r.o.should_stop(): cut = r.finish("cancelled")
     elif len(r.prompt) - 1 - q.done > step:   # not the last chunk: the same chunks `spec_generate` reads
-        q.done += prefill_drain(r.model, r.cache, r.prompt[q.done:q.done + step], step, on_logits=r.prompt_scorer)
+        with r.watch: q.done += prefill_drain(r.model, r.cache, r.prompt[q.done:q.done + step], step, on_logits=r.prompt_scorer)
         return False
     else:
         prompt, r.prompt = r.prompt, r.prompt[q.done:]
@@ -232,7 +233,7 @@ def _group(self:Batch, w:_Row)->_DraftGroup|None:
 def _drafts(self:Batch)->list:
     "Every request's `(drafts, d)` this round, in row order: a group's requests in one forward per step, the others alone."
     plans, grouped = {}, {}
-    for w in self.rows:
+    for w in list(self.rows):   # one that fails leaves the batch
         if w.plain: plans[id(w)] = [], 0
         elif (g := self._group(w)) is not None: grouped.setdefault(id(g), (g, []))[1].append(w)
         else:
@@ -253,11 +254,22 @@ def _window(w:_Row, drafts, width:int)->mx.array:
     pad = mx.zeros((width - 1 - d.size,), mx.uint32)
     return mx.concatenate([mx.array([w.r.pending], mx.uint32), d.astype(mx.uint32), pad])
 
+def _hand_rows(tap:Tap, rows:list, plans:list):
+    "Each request whose source reads hidden states gets its own rows of the batched forward — its window's, not the padding — as its own tap would have recorded them."
+    for i, (w, (_, d)) in enumerate(zip(rows, plans)):
+        if w.r.tap is None: continue
+        for layer in w.r.tap.layers: w.r.tap.recorded[layer].append(tap.recorded[layer][0][i:i + 1, :d + 1])
+
 @patch
 def _verify(self:Batch, plans:list)->mx.array:
-    "ONE target forward over every request's window, right-padded to the longest; then each row gives back its padding."
+    "ONE target forward over every request's window, right-padded to the longest (tapped at the layers any request's source reads); then each row gives back its padding."
     width = 1 + max(d for _, d in plans)
-    logits = self.model(mx.stack([_window(w, drafts, width) for w, (drafts, _) in zip(self.rows, plans)]), cache=self.cache)
+    x = mx.stack([_window(w, drafts, width) for w, (drafts, _) in zip(self.rows, plans)])
+    layers = sorted({i for w in self.rows if w.r.tap is not None for i in w.r.tap.layers})
+    if not layers: logits = self.model(x, cache=self.cache)
+    else:
+        with Tap(self.model, layers) as tap: logits = self.model(x, cache=self.cache)
+        _hand_rows(tap, self.rows, plans)
     for layer in self.cache: layer.ends = [e - (width - 1 - d) for e, (_, d) in zip(layer.ends, plans)]
     return logits
 

@@ -193,7 +193,7 @@ BAD = [  # (endpoint, body, text the error message must contain)
     ("completions", {"prompt": ["a", "b"]}, "one prompt per request"),
     ("completions", {"max_tokens": 5}, "prompt: field required"),
     ("completions", {"prompt": "x", "stop": [1, 2]}, "stop"),
-    ("completions", {"prompt": "x", "n": 2}, "n"),
+    ("completions", {"prompt": "x", "n": 17}, "n"),
     ("completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "'abc'"),
     ("completions", {"prompt": "x", "logit_bias": {"5": 500}}, "500"),
     ("completions", {"prompt": "x", "num_draft_tokens": -1}, "num_draft_tokens"),

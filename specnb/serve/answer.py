@@ -144,8 +144,7 @@ def _end_call(self:Turn, closed:bool)->dict:
     return {"tool_calls": out}
 
 # %% ../../nbs/08ca_answer.ipynb #6eddb9de
-TOOL_FORMATS = {"json_tools": "qwen_3", "qwen3_coder": "qwen_3_coder", "gemma4": "gemma_4", "glm47": "glm_4_7", "kimi_k2": "kimi",
-                "minimax_m2": "minimax"}   # mlx-lm's tool parser → xgrammar's structural-tag format
+TOOL_FORMATS = {"json_tools": "qwen_3"}   # mlx-lm's tool parser → xgrammar's format: the pairs checked to round-trip (below)
 
 WHITESPACE = 4   # spaces and newlines in a row inside arguments: room for indentation, none for a small model to pad forever
 
