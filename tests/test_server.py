@@ -735,3 +735,18 @@ def test_unbatchable_sources_run_one_at_a_time_and_say_so():
     with running_server("--draft-kind", "early-exit", "--exit-layer", "3") as u:
         b = httpx.get(u + "/health").json()["batch"]
         assert b["max_size"] == 1 and "early exit" in b["not_batched"], b
+
+def test_hidden_state_drafters_are_batched(pair):
+    "The draft head reads the target's hidden states: batched rounds hand each request its rows (#31) — 4 concurrent clients, each its text alone."
+    from specnb.sources.head import HeadProvider
+    tok = pair.tokenizer
+    with running_server("--draft-kind", "head") as u:
+        b = httpx.get(u + "/health").json()["batch"]
+        assert (b["max_size"], b["not_batched"]) == (8, None), b
+        c = openai.OpenAI(base_url=u + "/v1", api_key="not-needed", max_retries=0, timeout=120)
+        ask = lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=24, extra_body={"logit_bias": NO_EOS})
+        with ThreadPoolExecutor(4) as ex: got = list(ex.map(ask, BATCH_PROMPTS[:4]))
+    no_eos = make_logits_processors({0: -100})
+    for r, p in zip(got, BATCH_PROMPTS[:4]):
+        ref = spec_generate(pair.target, HeadProvider(), tok.encode(p), max_tokens=24, logits_processors=no_eos)
+        assert r.choices[0].text == tok.decode(ref.tokens) and r.usage.speculation["drafted"] > 0
