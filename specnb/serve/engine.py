@@ -241,13 +241,15 @@ def _emit_text(self:Engine, run, stream)->str|None:
 
 @dataclass(eq=False)
 class _Run:
-    "A job as the worker runs it: the caches it starts from (a prompt-cache hit holds `n_cached` of its tokens), and its text sink."
+    "A job as the worker runs it: its drafting, the caches it starts from (a prompt-cache hit holds `n_cached` of its tokens), and its text sink."
     job: Job
-    speculate: bool                # it drafts (a draft source, and num_draft_tokens > 0)
+    provider: object               # what it drafts with (`Engine.provider_for`); None: plain decoding
     target_cache: list
     draft_cache: list | None
     n_cached: int
     sink: TextSink
+    @property
+    def speculate(self)->bool: return self.provider is not None
     @property
     def space(self)->str: return "spec" if self.speculate else "plain"   # the prompt cache keeps caches with and without a draft apart
 
@@ -255,23 +257,24 @@ class _Run:
 def _open_run(self:Engine, job:Job)->_Run:
     "Count the job's wait and find its caches: the prompt cache's longest hit, or new ones."
     self.metrics.queue_wait.observe(time.perf_counter() - job.queued_at)
-    speculate = self.provider_for(job) is not None and job.num_draft_tokens > 0
-    space = "spec" if speculate else "plain"
-    if job.group is not None and not job.group.prefilled and self.coordinator is None: self._share_prefill(job, space)   # ranks: each choice reads it
+    provider = self.provider_for(job) if job.num_draft_tokens > 0 else None
+    space = "plain" if provider is None else "spec"
+    if job.group is not None and not job.group.prefilled and self.coordinator is None: self._share_prefill(job, provider)   # ranks: each choice reads it
     if job.prompt_logprobs is not None: target_cache, draft_cache, n_cached = None, None, 0   # every prompt token is scored: nothing cached
     else: target_cache, draft_cache, n_cached = self.cache.fetch(space, job.prompt)
     if target_cache is None: target_cache = make_prompt_cache(self.model)   # the executor makes it one speculation can roll back
     first = lambda: self.metrics.ttft.observe(time.perf_counter() - job.queued_at)
-    return _Run(job, speculate, target_cache, draft_cache, n_cached, TextSink(self.tokenizer, job, first))
+    return _Run(job, provider, target_cache, draft_cache, n_cached, TextSink(self.tokenizer, job, first))
 
 @patch
-def _share_prefill(self:Engine, job:Job, space:str):
+def _share_prefill(self:Engine, job:Job, provider):
     "The first of a request's `n` choices to start reads the prompt once (a one-token generation) into the prompt cache: every choice then starts from that entry."
     job.group.prefilled = True
+    space = "plain" if provider is None else "spec"
     if self.cache.lru is None: return   # no prompt cache (--prompt-cache-size 0): each choice reads the prompt itself
     target_cache, draft_cache, n = self.cache.fetch(space, job.prompt)
     target_cache = target_cache if target_cache is not None else make_prompt_cache(self.model)
-    res = spec_generate(self.model, self.provider_for(job) if space == "spec" else None, job.prompt[n:], max_tokens=1,
+    res = spec_generate(self.model, provider, job.prompt[n:], max_tokens=1,
                         num_draft_tokens=max(job.num_draft_tokens, 1), prompt_cache=target_cache, cached_tokens=job.prompt[:n],
                         draft_cache=draft_cache, prefill_step_size=self.prefill_step_size, should_stop=job.should_stop)
     if res.finish_reason != "cancelled" and (space == "plain" or res.draft_cache is not None):
@@ -297,7 +300,7 @@ def run(self:Engine, job:Job):
     with nullcontext() if self.coordinator is None else self.coordinator.running(self, job):   # every rank at once
         run = self._open_run(job)
         with RandomStream(job.seed):   # its own random numbers: a sampler that raises leaves nothing behind for the next request
-            stream = spec_stream(self.model, self.provider_for(job) if run.speculate else None, job.prompt[run.n_cached:], **self._options(run))
+            stream = spec_stream(self.model, run.provider, job.prompt[run.n_cached:], **self._options(run))
             run.sink.result = stream.result
             finish = self._emit_text(run, stream)
         return self._answer(run, stream.result, finish)
@@ -328,7 +331,7 @@ def _join(self:Engine, batch:Batch, job:Job):
     "Add the job to the batch from its caches (a prompt-cache hit skips that much prefill); its prompt is read a chunk per round."
     try:
         run = self._open_run(job)
-        batch.add(job.prompt[run.n_cached:], self.provider_for(job) if run.speculate else None, id=job, seed=job.seed,
+        batch.add(job.prompt[run.n_cached:], run.provider, id=job, seed=job.seed,
                   on_token=run.sink.add, **self._options(run))
         run.sink.result = batch.result(job)
     except Exception as e: return self._failed(job, e)
