@@ -199,10 +199,12 @@ def refuse_unhonoured(req):
 
 def min_tokens_processor(eos_ids, n_prompt:int, min_tokens:int):
     "A logits processor that forbids every end-of-sequence token until `min_tokens` tokens follow the `n_prompt`-token prompt."
-    eos = mx.array(sorted(eos_ids), mx.int32)
+    eos, ban = mx.array(sorted(eos_ids), mx.int32), {}
     def forbid(tokens, logits):
         if tokens.size - n_prompt >= min_tokens: return logits
-        return logits + mx.zeros((logits.shape[-1],)).at[eos].add(-mx.inf)
+        width = logits.shape[-1]
+        if width not in ban: ban[width] = mx.zeros((width,)).at[eos].add(-mx.inf)   # built once, not at every position
+        return logits + ban[width]
     return forbid
 
 def predicted_tokens(limits, prediction)->list|None:
