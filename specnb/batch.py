@@ -17,8 +17,7 @@ from fastcore.meta import delegates
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from .prefill import prefill_drain
 from .rollback import leaves
-from .ragged import RaggedKVCache, Slot, lend, take_back
-from .window import SpecRotatingKVCache
+from .ragged import Slot, lend, take_back, ragged_cache
 from .sources.base import TargetView
 from .tap import Tap
 from .accept import sample_positions, RandomStream
@@ -28,20 +27,21 @@ from .executor import open_request, read_prompt, propose_drafts, accept_drafts, 
 
 # %% ../nbs/07e_batch.ipynb #10f0d1b1
 def _batchable(model)->bool:
-    "Is every layer of `model` full attention?"
-    return all(type(c) is KVCache for c in leaves(make_prompt_cache(model)))
+    "Do batched rounds hold every layer of `model` (full attention, plain sliding windows)?"
+    return not any(_kind(c) for c in leaves(make_prompt_cache(model)))
 
-def _kind(c)->str:
-    "What a cache says about its layer, in words."
-    if isinstance(c, (RotatingKVCache, SpecRotatingKVCache)): return f"sliding-window ({type(c).__name__})"
+def _kind(c)->str|None:
+    "What a cache says about its layer, in words; None for the layers batched rounds hold (full attention, a plain sliding window)."
+    if type(c) is KVCache or (type(c) is RotatingKVCache and not c.keep): return None
+    if isinstance(c, RotatingKVCache): return f"sliding-window ({type(c).__name__} keeping {c.keep} sink tokens)"
     if isinstance(c, ArraysCache): return f"recurrent ({type(c).__name__})"
     return type(c).__name__
 
 def check_batchable(model):
-    "Raise `ValueError`, naming the layers, unless every layer of `model` is full attention (the layout batched rounds support now)."
-    kinds = sorted({_kind(c) for c in leaves(make_prompt_cache(model)) if type(c) is not KVCache})
-    if kinds: raise ValueError(f"batched rounds support full-attention targets only for now; this model has {', '.join(kinds)} layers, "
-                               "which are not supported yet: run its requests one at a time with spec_generate")
+    "Raise `ValueError`, naming the layers, unless every layer of `model` is full attention or a plain sliding window (the layouts batched rounds support now)."
+    kinds = sorted({k for c in leaves(make_prompt_cache(model)) if (k := _kind(c))})
+    if kinds: raise ValueError(f"batched rounds support full-attention and sliding-window targets only for now; this model has {', '.join(kinds)} "
+                               "layers, which are not supported yet: run its requests one at a time with spec_generate")
 
 # %% ../nbs/07e_batch.ipynb #96e95e6d
 class _RequestCaches(list):
@@ -64,7 +64,7 @@ def _drafts_together(src)->bool:
 
 class _DraftGroup:
     "The caches of one draft model for the requests whose sources draft together: one draft forward per step for all of them."
-    def __init__(self, model): self.model, self.cache, self.slots = model, [RaggedKVCache() for _ in make_prompt_cache(model)], []
+    def __init__(self, model): self.model, self.cache, self.slots = model, ragged_cache(model), []
 
     def join(self, src)->tuple:
         "Move the source's draft caches into a new row; the source now reads and trims them through views. Returns `(slot, own caches)`."
@@ -97,6 +97,7 @@ def _draft_group(group:_DraftGroup, ws:list, ns:list)->tuple:
     "`(drafts, failed)`: the drafts of `group`'s requests `ws` (in row order), `ns[i]` for the i-th — what each source's own `draft` would propose, in one forward per step — and `{i: exception}` for a row whose own part raised."
     feeds, outs, failed = [w.r.feed for w in ws], [[] for _ in ws], {}
     width = max(map(len, feeds))
+    for layer in group.cache: layer.reserve(width + max(ns))   # a sliding window's rings keep room to give back every step
     x = mx.array([f + [0] * (width - len(f)) for f in feeds], mx.uint32)
     for w in ws: w.r.source.logits = []
     for s in range(max(ns)):
@@ -148,7 +149,7 @@ class Batch:
         self.model, self.draft_together, self.interleave_prefill = model, draft_together, interleave_prefill
         self.rows, self.reading, self.early, self.slots, self.groups, self._n = [], [], [], [], {}, 0
         self.failed = []   # `(id, exception)` of the requests whose own part of the last round raised
-        self.cache = [RaggedKVCache() for _ in make_prompt_cache(model)]
+        self.cache = ragged_cache(model)   # a ring per row for each sliding-window layer
 
     def __len__(self): return len(self.rows) + len(self.reading)   # requests holding a slot, their prompts read or not
     def __repr__(self): return f"Batch({len(self.rows)} requests, rows holding {self.cache[0].ends} tokens; {len(self.reading)} reading their prompts)"
@@ -365,7 +366,7 @@ def close(self:Batch):
     for w in self.rows + self.reading:
         if w.r.source is not None: w.r.source.close()
     self.rows, self.reading, self.slots, self.groups = [], [], [], {}
-    self.cache = [RaggedKVCache() for _ in self.cache]
+    self.cache = ragged_cache(self.model)
 
 @patch
 def remove(self:Batch, id)->SpecResult:
@@ -389,7 +390,7 @@ def _per_prompt(name:str, value, n:int, one=lambda v: not isinstance(v, (list, t
     return list(value)
 
 @delegates(spec_options)
-def spec_generate_batch(model,                   # the target: an mlx-lm model with full attention
+def spec_generate_batch(model,                   # the target: an mlx-lm model, full attention or sliding windows
                         providers,               # a `DraftProvider` for every prompt, or a list of one per prompt (None: plain decoding)
                         prompts:list,            # token id lists
                         *,
