@@ -16,7 +16,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 import mlx.core as mx, mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models import deepseek_v3, glm4_moe, qwen3_5, qwen3_next
+from mlx_lm.models import deepseek_v3, glm4_moe, llama, qwen3_5, qwen3_next
 from mlx_lm.models.base import create_attention_mask
 from ..recurrent import tiny_hybrid
 from ..tap import arch_name, text_model
@@ -72,6 +72,7 @@ def checkpoint_config(path)->dict:
 
 # %% ../../nbs/05n_mtp.ipynb #53cf9a4c
 DECODER_LAYERS = {"deepseek_v3": deepseek_v3.DeepseekV3DecoderLayer, "glm4_moe": glm4_moe.DecoderLayer,
+                  "llama": lambda args, i: llama.TransformerBlock(args),   # mlx-lm's llama layer takes no index
                   "qwen3_next": qwen3_next.Qwen3NextDecoderLayer, "qwen3_5_text": qwen3_5.DecoderLayer, "qwen3_5_moe_text": qwen3_5.DecoderLayer}   # mlx-lm's decoder layer of each target whose MTP head is read
 
 class MtpHead(nn.Module):
@@ -90,17 +91,19 @@ class MtpHead(nn.Module):
 
     def vocab_rows(self, model): return None   # an MTP head drafts over the whole vocabulary
 
+    def logits(self, model, a, rows=None)->mx.array: return self.readout(model, a, rows)   # the name the head's trainer (05f) reads
+
     def decode(self, x, mask=None, cache=None)->mx.array:
-        "The decoder stack on `x`, each layer with its own cache (`cache.more` holds those after the first)."
-        caches = [None] * self.depth if cache is None else [cache, *cache.more]
+        "The decoder stack on `x`, each layer with its own cache (`cache.more` holds those after the first; a one-layer head takes any cache)."
+        caches = [None] * self.depth if cache is None else [cache, *getattr(cache, "more", [])]
         if isinstance(mask, str): mask = create_attention_mask(x, cache, return_array=True)   # MLA applies it to its rope scores: an array
         for layer, c in zip(self.layers, caches): x = layer(x, mask, c)
         return x
 
 # %% ../../nbs/05n_mtp.ipynb #33bf90c4
 class DeepseekMtp(MtpHead):
-    "DeepSeek-V3 / GLM-4.5: h' = layer(eh_proj([enorm(E x); hnorm(h)])); logits = shared_head.head(shared_head.norm(h'))."
-    archs = ("deepseek_v3", "glm4_moe")
+    "DeepSeek-V3 / GLM-4.5 (and this layout for a llama target): h' = layer(eh_proj([enorm(E x); hnorm(h)])); logits = shared_head.head(shared_head.norm(h'))."
+    archs = ("deepseek_v3", "glm4_moe", "llama")
     def __init__(self, target, own_head:bool=True, own_embed:bool=True, post_norm:bool=True):
         super().__init__(target, post_norm)
         a = target.args
@@ -152,18 +155,20 @@ _MOE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num
             routed_scaling_factor=1.0, max_position_embeddings=512, rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=False)
 TINY_MTP = {"deepseek_v3": dict(_MOE, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16),
             "glm4_moe": dict(_MOE, head_dim=16, norm_topk_prob=True, rope_scaling=None, use_qk_norm=True, attention_bias=False,
-                             partial_rotary_factor=0.5)}
+                             partial_rotary_factor=0.5),
+            "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=False)}
 
-def tiny_mtp_target(arch:str,         # deepseek_v3, glm4_moe, qwen3_next or qwen3_5
+def tiny_mtp_target(arch:str,         # deepseek_v3, glm4_moe, llama, qwen3_next or qwen3_5
                     seed:int=0,        # weights are drawn from this seed
                     scale:float=3.0,   # multiplies the logits (peakier: fewer near-ties under greedy)
                     **config,          # config keys to change (e.g. `vocab_size=16`)
                    ):
-    "A random two-layer mlx-lm `arch` target (fp32) whose MTP head this notebook can read; qwen3_next is `tiny_hybrid`'s."
+    "A random two-layer mlx-lm `arch` target (fp32) whose MTP head this notebook can read (llama: a dense one, for the DeepSeek layout); qwen3_next is `tiny_hybrid`'s."
     if arch in ("qwen3_next", "qwen3_5"): model = tiny_hybrid(arch, seed, **config)
     else:
         if arch not in TINY_MTP: raise ValueError(f"unknown MTP target {arch!r}; choose one of {sorted(MTP_HEADS)}")
-        module = {"deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe}[arch]
+        module = {"deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe, "llama": llama}[arch]
         mx.random.seed(seed)
         model = module.Model(module.ModelArgs.from_dict({"model_type": arch, "vocab_size": 128, **TINY_MTP[arch], **config}))
         model.set_dtype(mx.float32)
@@ -287,6 +292,7 @@ def load_mtp(path,                 # the target's original checkpoint: a folder 
     head = head_cls(target, **head_options(head_cls, w), post_norm=post_norm)
     try: head.load_weights(list(w.items()))   # strict: every weight present, no stray ones
     except ValueError as e: raise ValueError(f"MTP weights in {path} do not fit the target: {' '.join(str(e).split())}") from None
+    if text_model(target).model.embed_tokens.weight.dtype == mx.float32: head.set_dtype(mx.float32)   # upcast only: float16 is slow on a CPU
     mx.eval(head.parameters())
     return head
 
