@@ -152,3 +152,16 @@ def test_what_cannot_be_done_is_refused_by_name(client):
     for kw, param in zip(bad, ["tool_choice", "tool_choice", "n", "response_format"]):
         with pytest.raises(openai.BadRequestError) as e: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kw)
         assert e.value.body["param"] == param, (kw, e.value.body)
+
+def test_a_gemma_style_model_calls_freely_and_refuses_a_forced_call_by_name(tmp_path):
+    """Gemma 4's format: `tool_choice: auto` is served (mlx-lm's gemma4 parser reads what the model writes), but a required call is refused
+    naming the reason — xgrammar's grammar of that format lets whitespace stand where mlx-lm's parser cannot read it (08ca)."""
+    from specnb.serve.answer import chat_style_folder
+    folder = chat_style_folder(tmp_path / "gemma-style", "gemma")
+    with running_server("--model", str(folder), "--draft-kind", "ngram", "--served-model-name", "gemma-style") as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="not-needed", max_retries=0, timeout=120)
+        r = c.chat.completions.create(model="gemma-style", messages=ASK, tools=TOOLS, max_tokens=8)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="gemma-style", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=8)
+        assert e.value.body["param"] == "tool_choice" and "gemma4" in e.value.body["message"], e.value.body
