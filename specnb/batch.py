@@ -17,7 +17,8 @@ from fastcore.meta import delegates
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from .prefill import prefill_drain
 from .rollback import leaves
-from .ragged import Slot, lend, take_back, ragged_cache
+from .ragged import Slot, lend, take_back
+from .ragged_state import batch_cache, unbatched_state
 from .sources.base import TargetView
 from .tap import Tap
 from .accept import sample_positions, RandomStream
@@ -38,10 +39,11 @@ def _kind(c)->str|None:
     return type(c).__name__
 
 def check_batchable(model):
-    "Raise `ValueError`, naming the layers, unless every layer of `model` is full attention or a plain sliding window (the layouts batched rounds support now)."
-    kinds = sorted({k for c in leaves(make_prompt_cache(model)) if (k := _kind(c))})
-    if kinds: raise ValueError(f"batched rounds support full-attention and sliding-window targets only for now; this model has {', '.join(kinds)} "
-                               "layers, which are not supported yet: run its requests one at a time with spec_generate")
+    "Raise `ValueError`, naming the layers, unless every layer of `model` is full attention, a plain sliding window, or recurrent state its mixer keeps per row (04e)."
+    why = unbatched_state(model)   # why its recurrent layers cannot batch; None when they can, or it has none
+    kinds = {k for c in leaves(make_prompt_cache(model)) if (k := _kind(c)) and not k.startswith("recurrent")} | ({why} if why else set())
+    if kinds: raise ValueError(f"batched rounds support full-attention, sliding-window and capturable recurrent layers only for now; this model has "
+                               f"{', '.join(sorted(kinds))} layers, which are not supported yet: run its requests one at a time with spec_generate")
 
 # %% ../nbs/07e_batch.ipynb #96e95e6d
 class _RequestCaches(list):
@@ -64,7 +66,7 @@ def _drafts_together(src)->bool:
 
 class _DraftGroup:
     "The caches of one draft model for the requests whose sources draft together: one draft forward per step for all of them."
-    def __init__(self, model): self.model, self.cache, self.slots = model, ragged_cache(model), []
+    def __init__(self, model): self.model, self.cache, self.slots = model, batch_cache(model), []
 
     def join(self, src)->tuple:
         "Move the source's draft caches into a new row; the source now reads and trims them through views. Returns `(slot, own caches)`."
@@ -149,7 +151,7 @@ class Batch:
         self.model, self.draft_together, self.interleave_prefill = model, draft_together, interleave_prefill
         self.rows, self.reading, self.early, self.slots, self.groups, self._n = [], [], [], [], {}, 0
         self.failed = []   # `(id, exception)` of the requests whose own part of the last round raised
-        self.cache = ragged_cache(model)   # a ring per row for each sliding-window layer
+        self.cache = batch_cache(model)   # a ring per row for each sliding-window layer, a state per row for each recurrent one
 
     def __len__(self): return len(self.rows) + len(self.reading)   # requests holding a slot, their prompts read or not
     def __repr__(self): return f"Batch({len(self.rows)} requests, rows holding {self.cache[0].ends} tokens; {len(self.reading)} reading their prompts)"
@@ -212,6 +214,7 @@ def _join(self:Batch, q:_Reading):
     r.res.stats.prefill_s = time.perf_counter() - q.t0
     slot = Slot(len(self.slots))
     w = _Row(q.id, r, slot, r.cache, q.rng, q.on_token, len(r.full) == 1, time.perf_counter())
+    for c in r.cache: c.offset = getattr(c, "offset", len(r.full) - 1)   # mlx-lm's recurrent state (a plain request's) does not count its tokens
     r.cache = lend(r.cache, self.cache, slot)
     self.slots.append(slot)
     self.rows.append(w)
@@ -366,7 +369,7 @@ def close(self:Batch):
     for w in self.rows + self.reading:
         if w.r.source is not None: w.r.source.close()
     self.rows, self.reading, self.slots, self.groups = [], [], [], {}
-    self.cache = ragged_cache(self.model)
+    self.cache = batch_cache(self.model)
 
 @patch
 def remove(self:Batch, id)->SpecResult:
@@ -390,7 +393,7 @@ def _per_prompt(name:str, value, n:int, one=lambda v: not isinstance(v, (list, t
     return list(value)
 
 @delegates(spec_options)
-def spec_generate_batch(model,                   # the target: an mlx-lm model, full attention or sliding windows
+def spec_generate_batch(model,                   # the target: an mlx-lm model, full attention, sliding windows or capturable recurrent layers (04e)
                         providers,               # a `DraftProvider` for every prompt, or a list of one per prompt (None: plain decoding)
                         prompts:list,            # token id lists
                         *,

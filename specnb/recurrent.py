@@ -211,6 +211,12 @@ def _capture(module, call, cache:RecurrentCache, bound:dict, x:mx.array):
     cache.cache = [_row(a, S - 1) for a in cache.cache]
     return out[-1:]
 
+@patch
+def capture_window(self:RecurrentCache, module, call, bound:dict, x:mx.array)->mx.array:
+    "A watched call that keeps every position's state (`_capture`); a batched layer keeps them for every row."
+    return _capture(module, call, self, bound, x)
+
+
 # %% ../nbs/04b_hybrid.ipynb #4a06b55a
 _WATCHED = {}   # an mlx-lm layer class -> its watched subclass
 
@@ -228,7 +234,7 @@ def _watched(cls):
             x = bound[params[0]]
             cache._enter(self, args, kwargs, x.shape)
             try:
-                if can_capture and cache._capturable(x, bound.get("mask"), default): return _capture(self, call, cache, bound, x)
+                if can_capture and cache._capturable(x, bound.get("mask"), default): return cache.capture_window(self, call, bound, x)
                 return call(self, *args, **kwargs)
             finally: cache._exit()
         _WATCHED[cls] = type(f"Watched{cls.__name__}", (cls,), {"__call__": __call__, "_watches": cls, "__module__": cls.__module__})

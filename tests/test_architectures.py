@@ -116,3 +116,34 @@ def test_batched_sliding(arch):
     alone = [spec_generate(target, p, x, **o) for p, x, o in zip(provs, prompts, opts)]
     batched = spec_generate_batch(target, provs, prompts, options=opts, max_batch_size=3, interleave_prefill=True)
     assert [(r.tokens, r.fed) for r in batched] == [(r.tokens, r.fed) for r in alone], arch
+
+BATCHED_HYBRID = ["qwen3_5", "qwen3_next", "lfm2", "mamba2", "granitemoehybrid"]   # recurrent mixers batched rounds capture per row (nbs/04e_ragged_state.ipynb)
+
+@pytest.mark.parametrize("arch", BATCHED_HYBRID)
+def test_batched_recurrent(arch):
+    """Batched rounds on each hybrid or recurrent architecture whose mixers batch (issue 31): six requests of 2 to 40 tokens, three
+    at a time, joining mid-stream, with two-model, prompt lookup and plain decoding, greedy and seeded sampled — each request's
+    tokens, accepted lengths, finish reason and `fed` equal `spec_generate` alone."""
+    from specnb import Sampling
+    from specnb.batch import spec_generate_batch
+    from specnb.sources.ngram import NgramProvider
+    from specnb.sources.two_model import TwoModelProvider
+    target, draft, *_ = models(arch, 8)
+    rng = random.Random(BATCHED_HYBRID.index(arch))
+    prompts = [prompt_for(rng, 20)[:n] for n in (2, 9, 17, 26, 33, 40)]
+    provs = [TwoModelProvider(draft), NgramProvider(), TwoModelProvider(draft), None, NgramProvider(), TwoModelProvider(draft)]
+    opts = [dict(num_draft_tokens=g, max_tokens=n, prefill_step_size=s) for g, n, s in zip([3, 2, 5, 1, 4, 6], [20, 17, 24, 12, 22, 15], [5, 7, 4, 6, 9, 8])]
+    key = lambda r: (r.tokens, r.stats.accepted_lengths, r.finish_reason, r.fed)
+    for sampler, seeds in ((None, [None] * 6), (Sampling(temp=0.9), list(range(20, 26)))):
+        alone = []
+        for p, x, o, s in zip(provs, prompts, opts, seeds):
+            if s is not None: mx.random.seed(s)
+            alone.append(spec_generate(target, p, x, sampler=sampler, **o))
+        batched = spec_generate_batch(target, provs, prompts, options=opts, seeds=seeds, sampler=sampler, max_batch_size=3, interleave_prefill=True)
+        assert [key(r) for r in batched] == [key(r) for r in alone], (arch, sampler)
+
+@pytest.mark.parametrize("arch,why", [("nemotron_h", "NemotronHMamba2Mixer"), ("recurrent_gemma", "RGLRU"), ("falcon_h1", "CacheList")])
+def test_batched_recurrent_refused(arch, why):
+    "Hybrids whose recurrent layers batched rounds cannot hold per row are refused up front, naming the layer."
+    from specnb.batch import check_batchable
+    with pytest.raises(ValueError, match=why): check_batchable(tiny_hybrid(arch))

@@ -478,13 +478,12 @@ def test_prompt_cache_on_sliding_and_hybrid_targets(kind, tmp_path):
         follow = prompt + tokens + tok.encode("\ndef main():\n")
         again = c.completions.create(model=name, prompt=follow, max_tokens=24, extra_body={"logit_bias": NO_EOS})
         batch = httpx.get(u + "/health").json()["batch"]
-        if kind == "sliding":   # batched rounds take sliding windows (#31): three clients at once, each its text alone
-            assert (batch["max_size"], batch["not_batched"]) == (8, None), batch
-            asks = [prompt[:n] for n in (9, 30, len(prompt))]
-            with ThreadPoolExecutor(3) as ex:
-                got = list(ex.map(lambda p: c.completions.create(model=name, prompt=p, max_tokens=24, extra_body={"logit_bias": NO_EOS}), asks))
-            assert [r.choices[0].text for r in got] == [tok.decode(run(p)) for p in asks]
-        else: assert batch["max_size"] == 1 and "recurrent" in batch["not_batched"], batch
+        # batched rounds take sliding windows and Gated DeltaNet layers (#31): three clients at once, each its text alone
+        assert (batch["max_size"], batch["not_batched"]) == (8, None), batch
+        asks = [prompt[:n] for n in (9, 30, len(prompt))]
+        with ThreadPoolExecutor(3) as ex:
+            got = list(ex.map(lambda p: c.completions.create(model=name, prompt=p, max_tokens=24, extra_body={"logit_bias": NO_EOS}), asks))
+        assert [r.choices[0].text for r in got] == [tok.decode(run(p)) for p in asks]
     assert again.usage.prompt_tokens_details.cached_tokens >= len(prompt)
     assert again.choices[0].text == tok.decode(run(follow))   # identical to a fresh run
 
