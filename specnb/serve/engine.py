@@ -102,7 +102,7 @@ class Engine:
         if self.not_batched and getattr(coordinator, "lead", True):
             log.warning(f"--max-batch-size {max_batch_size}: requests run one at a time: {self.not_batched}")
         self.budget, self.resident = memory_budget or default_budget(), mx.get_active_memory()
-        self.jobs = queue.Queue(maxsize=max_queue)
+        self.jobs, self.max_queue = queue.Queue(), max_queue   # room: max_batch_size running + max_queue waiting, counted over `live` (see `submit`)
         self.cache = PromptCache(prompt_cache_size, len(make_prompt_cache(self.model)), prompt_cache_bytes or self.budget // 4)
         self.metrics = Metrics()
         self.metrics.watch_memory(self.memory)
@@ -161,9 +161,11 @@ class Engine:
             raise APIError(400, f"this request would hold about {mib(need)} ({n}{len(job.prompt)} prompt tokens + max_tokens {job.max_tokens}), "
                            f"more than the {mib(max(room, 0))} this server's memory budget ({mib(self.budget)}) leaves beside its weights; "
                            f"lower max_tokens{', n' if n else ''} or shorten the prompt", "max_tokens", "memory_budget_exceeded")
-        if self.jobs.maxsize - self.jobs.qsize() < len(jobs):   # only this (the event loop's) thread puts: the room can only grow meanwhile
+        room = self.max_batch_size + self.max_queue   # counted over every job not yet answered: a batch slot the worker has not refilled yet is room
+        if len(self.live) + len(jobs) > room:   # only this (the event loop's) thread adds: the count can only fall meanwhile
             self.metrics.refused.labels("queue_full").inc()
-            raise APIError(503, f"the server is busy: {self.jobs.qsize()} requests are already waiting (at most {self.jobs.maxsize}); retry shortly",
+            raise APIError(503, f"the server is busy: {len(self.live)} requests are running or waiting (at most {self.max_batch_size} running "
+                           f"and {self.max_queue} waiting); retry shortly",
                            type="server_error", code="queue_full", headers={"Retry-After": "1"})
         for job in jobs:
             self.live.add(job)
