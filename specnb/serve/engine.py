@@ -145,10 +145,11 @@ class Engine:
             self.jobs.put(None); self._thread.join(timeout=10); self._thread = None
 
     def estimate(self, n_prompt:int, max_tokens:int, num_draft_tokens:int)->int:
-        "Bytes a request holds at its longest: the target's caches and, when it speculates, the draft's, over prompt + max_tokens + a window."
-        n = n_prompt + max_tokens + max(num_draft_tokens, 1) + 1
+        "Bytes a request holds at its longest: the target's caches and, when it speculates, the draft's, over prompt + max_tokens + a window (and recurrent state captured over it)."
+        width = max(num_draft_tokens, 1) + 1
+        n = n_prompt + max_tokens + width
         speculate = self.provider is not None and num_draft_tokens > 0
-        return self.footprints[0].bytes(n) + (self.footprints[1].bytes(n) if speculate else 0)
+        return self.footprints[0].bytes(n, width) + (self.footprints[1].bytes(n, width) if speculate else 0)
 
     def submit(self, *jobs:Job):
         "Queue a request's jobs (its `n` choices), all or none; 400 if together they could never fit in the memory budget, 503 when the queue is full or the server is stopping."

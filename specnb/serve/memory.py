@@ -11,7 +11,7 @@ __all__ = ['PromptCache', 'Footprint', 'measure_footprints', 'parse_bytes', 'def
 import os, re
 from dataclasses import dataclass, field
 import mlx.core as mx
-from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, LRUPromptCache, make_prompt_cache
 from ..rollback import can_rollback, rollback
 from ..executor import spec_generate
 
@@ -48,10 +48,11 @@ class Footprint:
     "Bytes a model's caches hold at `n` tokens: per allocated position (up to each cache's window), plus state that does not grow."
     terms: list = field(default_factory=list)   # (bytes per position, most positions kept or None, allocation step), per attention cache
     fixed: int = 0                              # recurrent state and the like
+    state: int = 0                              # the part of `fixed` a round copies per verified position (recurrent layers' state)
 
-    def bytes(self, n:int)->int:
-        "What the caches hold at `n` tokens."
-        total = self.fixed
+    def bytes(self, n:int, width:int=0)->int:
+        "What the caches hold at `n` tokens, and while a round verifies `width` positions (a recurrent layer then also keeps its state before and after each)."
+        total = self.fixed + (self.state * (width + 1) if width else 0)
         for per, cap, step in self.terms:
             k = n if cap is None else min(n, cap)
             total += per * (-(-k // step) * step)
@@ -63,10 +64,11 @@ class Footprint:
         fp = cls()
         for c in caches:
             if hasattr(c, "caches"):   # mlx-lm's CacheList
-                inner = cls.of(c.caches); fp.terms += inner.terms; fp.fixed += inner.fixed
+                inner = cls.of(c.caches); fp.terms += inner.terms; fp.fixed += inner.fixed; fp.state += inner.state
                 continue
             keys = getattr(c, "keys", None)
             keys = keys[0] if isinstance(keys, (tuple, list)) else keys   # a quantized cache keeps (packed, scales, biases)
+            if isinstance(c, ArraysCache): fp.state += c.nbytes   # conv and SSM state: captured per position while a round is checked (04b, 04e)
             if keys is None or keys.ndim < 3: fp.fixed += c.nbytes; continue
             cap = getattr(c, "capacity", None) or getattr(c, "max_size", None)
             fp.terms.append((c.nbytes / keys.shape[-2], cap, getattr(c, "step", 1)))
