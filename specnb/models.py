@@ -6,19 +6,20 @@ Docs: https://specnb.github.io/specnb/models.html.md"""
 
 # %% auto #0
 __all__ = ['BUNDLED', 'PROBE', 'bundled_dir', 'check_tokenizers', 'logits_width', 'check_vocab', 'load_model', 'ModelPair',
-           'load_pair', 'random_model', 'perturbed', 'load_gguf', 'smollm2', 'gemma3_270m', 'OPENBLAS', 'blas_in_use',
-           'openblas_env', 'openblas_relaunch']
+           'load_pair', 'random_model', 'perturbed', 'model_from_config', 'save_model', 'load_gguf', 'smollm2',
+           'gemma3_270m', 'OPENBLAS', 'blas_in_use', 'openblas_env', 'openblas_relaunch']
 
 # %% ../nbs/00_models.ipynb #d3c8e647
-import copy, importlib.resources
+import copy, importlib.resources, json, shutil
 from pathlib import Path
 from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import llama
+from mlx_lm.utils import _get_classes
 
 # %% ../nbs/00_models.ipynb #81dfab27
 BUNDLED = ("target", "draft", "head")
@@ -113,6 +114,25 @@ def perturbed(model:nn.Module, noise:float=0.1, seed:int=0)->nn.Module:
     out.update(tree_map(lambda w: w * (1 + noise * mx.random.normal(w.shape, dtype=w.dtype)), out.parameters()))
     mx.eval(out.parameters())
     return out
+
+# %% ../nbs/00_models.ipynb #db391c9a
+def model_from_config(config:dict, seed:int=0)->nn.Module:
+    "A random fp32 mlx-lm model of `config`'s architecture, built as `mlx_lm.load` builds it, its weights drawn from `seed`."
+    Model, Args = _get_classes(config)
+    mx.random.seed(seed)
+    model = Model(Args.from_dict(config))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+def save_model(model:nn.Module, config:dict, folder, tokenizer_from=None)->Path:
+    "Write `model` as an mlx-lm model folder: `model.safetensors`, `config.json` (`config`) and the tokenizer files of `tokenizer_from` (default: the bundled target's)."
+    folder, src = Path(folder), Path(tokenizer_from or bundled_dir("target"))
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder/"model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder/"config.json").write_text(json.dumps(config))
+    for f in ("tokenizer.json", "tokenizer_config.json"): shutil.copy(src/f, folder/f)
+    return folder
 
 # %% ../nbs/00_models.ipynb #b24919d6
 from .gguf import load_gguf, smollm2, gemma3_270m

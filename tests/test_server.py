@@ -429,20 +429,10 @@ def test_lookup_first_serves_the_same_text(client):
         assert again.choices[0].text == client.completions.create(model=MODEL, prompt=follow, max_tokens=24).choices[0].text
 
 def _save_tiny(folder:Path, cfg:dict, seed:int, noise:float=0.0):
-    "A random mlx-lm model from `cfg` (weights from `seed`, times 1 + `noise` N(0, 1)) saved with the bundled tokenizer, as `mlx_lm.load` reads it."
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-    from specnb.models import perturbed
-    Model, Args = _get_classes(cfg)
-    mx.random.seed(0)
-    m = Model(Args.from_dict(cfg))
-    m.set_dtype(mx.float32)
-    if noise: m = perturbed(m, noise, seed=seed)
-    folder.mkdir(parents=True)
-    mx.save_safetensors(str(folder/"model.safetensors"), dict(tree_flatten(m.parameters())))
-    (folder/"config.json").write_text(json.dumps(cfg))
-    for f in ("tokenizer.json", "tokenizer_config.json"): shutil.copy(bundled_dir("target")/f, folder/f)
+    "A random mlx-lm model from `cfg` (weights from seed 0, times 1 + `noise` N(0, 1) drawn from `seed`) saved with the bundled tokenizer."
+    from specnb.models import model_from_config, perturbed, save_model
+    m = model_from_config(cfg)
+    save_model(perturbed(m, noise, seed=seed) if noise else m, cfg, folder)
 
 def _tiny_configs(vocab:int)->dict:
     "A llama whose even layers slide over 16 tokens, and a Qwen3-Next hybrid (Gated DeltaNet), with the bundled tokenizer's vocabulary."
