@@ -96,9 +96,7 @@ class Engine:
         self.prefill_step_size = prefill_step_size
         self.footprints = measure_footprints(self.model, provider, num_draft_tokens)   # also warms MLX's kernels
         self.coordinator = coordinator
-        asked = 1 if coordinator is not None else max_batch_size   # ranks do not share a batch's joins and leaves yet
-        self.max_batch_size, self.not_batched = batch_limit(self.model, provider, asked, num_draft_tokens)
-        if coordinator is not None and max_batch_size > 1: self.not_batched = coordinator.not_batched
+        self.max_batch_size, self.not_batched = batch_limit(self.model, provider, max_batch_size, num_draft_tokens)   # ranks: each tries it, in step
         if self.not_batched and getattr(coordinator, "lead", True):
             log.warning(f"--max-batch-size {max_batch_size}: requests run one at a time: {self.not_batched}")
         self.budget, self.resident = memory_budget or default_budget(), mx.get_active_memory()
@@ -191,6 +189,11 @@ def _give_up(self:Engine, e:BaseException):
         except queue.Empty: break
     for job in list(self.live): job.emit("error", self.unavailable())
     self.live.clear()
+
+@patch
+def refuse(self:Engine, job:Job, e:Exception):
+    "Answer a job that will not run with a 500 naming why (`--distributed`: a rank could not build it)."
+    self._failed(job, e)
 
 @patch
 def _failed(self:Engine, job:Job, e:Exception):
@@ -343,24 +346,34 @@ def _join(self:Engine, batch:Batch, job:Job):
 
 # %% ../../nbs/08f_engine.ipynb #739c8bc6
 @patch
-def _admit(self:Engine, batch:Batch)->bool:
-    "Take queued jobs into the batch while it has room and its memory fits the budget (idle: wait for one); False when told to stop."
-    while len(batch) < self.max_batch_size:
+def take(self:Engine, batch:Batch, wait:float|None=None)->list|None:
+    "The queued jobs that join the batch now: while it has room and its memory fits the budget. An idle batch waits for one — `wait` seconds at most (None: for ever). None when told to stop."
+    taken = []
+    while len(batch) + len(taken) < self.max_batch_size:
         job, self.waiting = self.waiting, None
         if job is None:
-            try: job = self.jobs.get(block=not len(batch) and not batch.early)
+            idle = not len(batch) and not batch.early and not taken
+            try: job = self.jobs.get(block=idle, timeout=wait if idle else None)
             except queue.Empty: break
-            if job is None: return False
-        if job.should_stop(): self._drop(job); continue
-        jobs = list(self.active) + [job]
-        need = held_by([j.reserved for j in jobs])
-        if self.active and need > self.budget - self.resident:
+            if job is None:   # stopping: `close` has cancelled every job
+                for j in taken: self._drop(j)
+                return None
+        if job.stop_here(): self._drop(job); continue
+        need = held_by([j.reserved for j in [*self.active, *taken, job]])
+        if (self.active or taken) and need > self.budget - self.resident:
             self.waiting = job   # at the head of the queue, until someone leaves
             break
         self.cache.shrink(self.budget - self.resident - need)   # make room: the prompt cache gives way
-        self._join(batch, job)
+        taken.append(job)
     self.metrics.queue_depth.set(self.queued())
-    return True
+    return taken
+
+@patch
+def _admit(self:Engine, batch:Batch)->bool:
+    "Take queued jobs into the batch (`take`, waiting while idle); False when told to stop."
+    taken = self.take(batch)
+    for job in taken or (): self._join(batch, job)
+    return taken is not None
 
 @patch
 def _end(self:Engine, run:_Run, res, finish:str|None=None):
@@ -373,10 +386,15 @@ def _end(self:Engine, run:_Run, res, finish:str|None=None):
     self.metrics.running.dec()
 
 @patch
-def _remove_stopped(self:Engine, batch:Batch):
-    "Jobs whose client left, whose time ran out, or that the server stopped leave the batch now, between rounds."
-    for job, run in list(self.active.items()):
-        if not job.should_stop(): continue
+def stopped(self:Engine)->list:
+    "The running jobs whose client left, whose time ran out, or that the server stopped."
+    return [job for job in self.active if job.stop_here()]
+
+@patch
+def leave(self:Engine, batch:Batch, jobs:list):
+    "These jobs leave the batch now, between rounds, each answered as cancelled (or with the server's reason)."
+    for job in jobs:
+        run = self.active[job]
         try: res = batch.remove(job)   # it leaves the batch even when this raises
         except Exception as e: self._failed(job, e)
         else: self._end(run, res, "cancelled")
@@ -396,13 +414,19 @@ def _round(self:Engine, batch:Batch):
     for job, res in ended: self._end(self.active[job], res)
 
 @patch
-def _turn(self:Engine, batch:Batch)->bool:
-    "One turn of the batched loop: admit, drop who should stop, one round, answer who ended; False when told to stop."
-    if not self._admit(batch): return False
-    self._remove_stopped(batch)
+def batch_turn(self:Engine, batch:Batch, joins:list, leaving:list):
+    "One turn with its joins and leaves decided: they join, they leave, one round, who ended is answered (`--distributed`: every rank runs the same turn)."
+    for job in joins: self._join(batch, job)
+    self.leave(batch, leaving)
     if len(batch) or batch.early: self._round(batch)
     self.metrics.batch_size.set(len(batch))
     if not len(batch) and not self.queued(): mx.clear_cache()   # idle: MLX's kept buffers go back to the system
+
+@patch
+def _turn(self:Engine, batch:Batch)->bool:
+    "One turn of the batched loop: admit, drop who should stop, one round, answer who ended; False when told to stop."
+    if not self._admit(batch): return False
+    self.batch_turn(batch, [], self.stopped())
     return True
 
 @patch
@@ -418,5 +442,5 @@ def _work_batched(self:Engine):
             self.waiting = None
             for job in self.live - set(self.jobs.queue): self._failed(job, e)   # every job it had taken from the queue
             batch = Batch(self.model, interleave_prefill=True)
-    self._remove_stopped(batch)   # stopping: `close` has cancelled them all
+    self.leave(batch, self.stopped())   # stopping: `close` has cancelled them all
     batch.close()

@@ -91,12 +91,16 @@ class Job:
         if self.error is None: self.error = error
         self.cancelled.set()
 
-    def should_stop(self)->bool:
-        "The worker's look: has the client gone, the server begun to stop, or the request run out of time? With other ranks: did any rank say stop?"
+    def stop_here(self)->bool:
+        "This process's look: has the client gone, the server begun to stop, or the request run out of time?"
         if self.timeout is not None and not self.cancelled.is_set() and time.perf_counter() - self.queued_at > self.timeout:
             self.cancel(APIError(504, f"the request ran longer than this server allows ({self.timeout:g} s, --request-timeout)",
                                  type="server_error", code="timeout"))
-        return self.cancelled.is_set() if self.agree is None else self.agree(self.cancelled.is_set())
+        return self.cancelled.is_set()
+
+    def should_stop(self)->bool:
+        "The worker's look (`stop_here`); with other ranks, `agree` makes it every rank's: did any rank say stop?"
+        return self.stop_here() if self.agree is None else self.agree(self.stop_here())
 
 # %% ../../nbs/08d_requests.ipynb #3261ad40
 def least(*limits)->int|None: return min((v for v in limits if v is not None), default=None)
