@@ -152,7 +152,10 @@ class SpecRequest:
     @property
     def out(self)->list: return self.res.tokens
     @property
-    def watch(self): return self.tap or nullcontext()   # around the target forwards whose rows the source reads
+    def watch(self):
+        "Around the target forwards whose rows the source reads: its tap, or a source's own `watch()` (05p's assistant reads the final norm)."
+        if self.tap: return self.tap
+        return self.source.watch() if hasattr(self.source, "watch") else nullcontext()
     def history(self)->mx.array|None: return mx.array(self.full + self.out, mx.uint32) if self.procs else None
     @property
     def prompt_scorer(self):

@@ -286,3 +286,70 @@ def drop(self:RaggedRotatingKVCache, i:int):
 def ragged_cache(model)->list:
     "The batch's caches for `model`: a `RaggedRotatingKVCache` for each sliding-window layer, a `RaggedKVCache` for each other."
     return [RaggedRotatingKVCache(c.max_size) if isinstance(c, RotatingKVCache) else RaggedKVCache() for c in make_prompt_cache(model)]
+
+# %% ../nbs/04c_ragged.ipynb #9864d7d9
+@patch
+def write_row(self:RaggedKVCache, i:int, keys:mx.array, values:mx.array):
+    "Write `N` new positions at row `i`'s end, and only there (one request drafting on its own row)."
+    e, N = self.ends[i], keys.shape[2]
+    if self.keys is None: self.keys, self.values = _empty(keys, len(self.ends)), _empty(values, len(self.ends))
+    if self.keys.shape[2] < e + N:
+        size = -(-(e + N) // self.step) * self.step
+        self.keys, self.values = _pad_to(self.keys, size), _pad_to(self.values, size)
+    self.keys[i:i + 1, :, e:e + N, :] = keys
+    self.values[i:i + 1, :, e:e + N, :] = values
+    self.ends[i] = e + N
+
+@patch
+def read_row(self:RaggedKVCache, i:int, a:int, m:int)->tuple:
+    "Row `i`'s keys and values of positions `a..a+m-1`, in order."
+    return self.keys[i:i + 1, :, a:a + m, :], self.values[i:i + 1, :, a:a + m, :]
+
+@patch
+def oldest(self:RaggedKVCache, i:int)->int: return 0   # full attention holds every position
+
+@patch
+def write_row(self:RaggedRotatingKVCache, i:int, keys:mx.array, values:mx.array):
+    "Write `N` new positions into row `i`'s ring at its end (the ring must already keep room to give them back: `reserve`)."
+    e, N = self.ends[i], keys.shape[2]
+    self.reserve(N)
+    self._grow(keys, values, e + N)
+    self._write(i, keys, values, e)
+    self.ends[i] = e + N
+    self.los[i] = max(self.los[i], e + N - self.capacity)
+
+@patch
+def read_row(self:RaggedRotatingKVCache, i:int, a:int, m:int)->tuple: return self._read(i, a, m)
+
+@patch
+def oldest(self:RaggedRotatingKVCache, i:int)->int: return self.los[i]   # the oldest position row `i` is sure to hold
+
+@patch
+def _first(self:RowCache)->int:
+    "The oldest position a new query of this row sees: 0 on full attention, the start of its window on a ring."
+    w = getattr(self.layer, "window", None)
+    return 0 if w is None else max(0, self.offset - w + 1)
+
+@patch
+def update_and_fetch(self:RowCache, keys:mx.array, values:mx.array)->tuple:
+    "Write `N` new positions at this row's end; return the positions its queries see, in order: a single-sequence cache's answer."
+    a, e = self._first(), self.offset
+    self.layer.write_row(self.slot.index, keys, values)
+    return self.layer.read_row(self.slot.index, a, e + keys.shape[2] - a)
+
+@patch
+def make_mask(self:RowCache, N:int, return_array:bool=False, window_size=None):
+    "Each of `N` new queries sees its own window among the keys `update_and_fetch` returns (None, as mlx-lm's caches say, when one query sees them all)."
+    w = getattr(self.layer, "window", None)
+    W = w if window_size is None else min(window_size, w or window_size)
+    a, e = self._first(), self.offset
+    if N == 1 and not return_array and (W is None or e - a < W): return None
+    q, p = e + mx.arange(N)[:, None], a + mx.arange(e + N - a)
+    return (p <= q) if W is None else (p <= q) & (p > q - W)
+
+@patch
+def kept(self:RowCache, newest:int|None=None)->tuple:
+    "The keys and values of the newest `newest` positions this row holds for sure (all it holds: None), in order — what a KV-borrowing drafter reads."
+    e = self.offset
+    a = max(self.layer.oldest(self.slot.index), 0 if newest is None else e - newest)
+    return self.layer.read_row(self.slot.index, a, e - a)

@@ -117,21 +117,13 @@ def test_batched_sliding(arch):
     batched = spec_generate_batch(target, provs, prompts, options=opts, max_batch_size=3, interleave_prefill=True)
     assert [(r.tokens, r.fed) for r in batched] == [(r.tokens, r.fed) for r in alone], arch
 
-BATCHED_HYBRID = ["qwen3_5", "qwen3_next", "lfm2", "mamba2", "granitemoehybrid"]   # recurrent mixers batched rounds capture per row (nbs/04e_ragged_state.ipynb)
-
-@pytest.mark.parametrize("arch", BATCHED_HYBRID)
-def test_batched_recurrent(arch):
-    """Batched rounds on each hybrid or recurrent architecture whose mixers batch (issue 31): six requests of 2 to 40 tokens, three
-    at a time, joining mid-stream, with two-model, prompt lookup and plain decoding, greedy and seeded sampled — each request's
-    tokens, accepted lengths, finish reason and `fed` equal `spec_generate` alone."""
+def batched_equals_alone(target, provs:list, seed:int):
+    """Six requests of 2 to 40 tokens on `target`, drafting with `provs` (one each), three at a time, joining mid-stream, greedy
+    and seeded sampled: each request's tokens, accepted lengths, finish reason and `fed` equal `spec_generate` alone."""
     from specnb import Sampling
     from specnb.batch import spec_generate_batch
-    from specnb.sources.ngram import NgramProvider
-    from specnb.sources.two_model import TwoModelProvider
-    target, draft, *_ = models(arch, 8)
-    rng = random.Random(BATCHED_HYBRID.index(arch))
+    rng = random.Random(seed)
     prompts = [prompt_for(rng, 20)[:n] for n in (2, 9, 17, 26, 33, 40)]
-    provs = [TwoModelProvider(draft), NgramProvider(), TwoModelProvider(draft), None, NgramProvider(), TwoModelProvider(draft)]
     opts = [dict(num_draft_tokens=g, max_tokens=n, prefill_step_size=s) for g, n, s in zip([3, 2, 5, 1, 4, 6], [20, 17, 24, 12, 22, 15], [5, 7, 4, 6, 9, 8])]
     key = lambda r: (r.tokens, r.stats.accepted_lengths, r.finish_reason, r.fed)
     for sampler, seeds in ((None, [None] * 6), (Sampling(temp=0.9), list(range(20, 26)))):
@@ -140,10 +132,52 @@ def test_batched_recurrent(arch):
             if s is not None: mx.random.seed(s)
             alone.append(spec_generate(target, p, x, sampler=sampler, **o))
         batched = spec_generate_batch(target, provs, prompts, options=opts, seeds=seeds, sampler=sampler, max_batch_size=3, interleave_prefill=True)
-        assert [key(r) for r in batched] == [key(r) for r in alone], (arch, sampler)
+        assert [key(r) for r in batched] == [key(r) for r in alone], sampler
+
+BATCHED_HYBRID = ["qwen3_5", "qwen3_next", "lfm2", "mamba2", "granitemoehybrid"]   # recurrent mixers batched rounds capture per row (nbs/04e_ragged_state.ipynb)
+
+@pytest.mark.parametrize("arch", BATCHED_HYBRID)
+def test_batched_recurrent(arch):
+    """Batched rounds on each hybrid or recurrent architecture whose mixers batch (issue 31): six requests of 2 to 40 tokens, three
+    at a time, joining mid-stream, with two-model, prompt lookup and plain decoding, greedy and seeded sampled — each request's
+    tokens, accepted lengths, finish reason and `fed` equal `spec_generate` alone."""
+    from specnb.sources.ngram import NgramProvider
+    from specnb.sources.two_model import TwoModelProvider
+    target, draft, *_ = models(arch, 8)
+    two = TwoModelProvider(draft)
+    batched_equals_alone(target, [two, NgramProvider(), two, None, NgramProvider(), two], BATCHED_HYBRID.index(arch))
 
 @pytest.mark.parametrize("arch,why", [("nemotron_h", "NemotronHMamba2Mixer"), ("recurrent_gemma", "RGLRU"), ("falcon_h1", "CacheList")])
 def test_batched_recurrent_refused(arch, why):
     "Hybrids whose recurrent layers batched rounds cannot hold per row are refused up front, naming the layer."
     from specnb.batch import check_batchable
     with pytest.raises(ValueError, match=why): check_batchable(tiny_hybrid(arch))
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(EARLY_EXIT))
+@pytest.mark.parametrize("exit_layer", [1, 2])
+def test_batched_early_exit(arch, exit_layer):
+    """Early exit in batched rounds (issue 31), window 8 where the target slides: each request drafts on its own row of the
+    target's caches and equals its run alone — or, where its first layers keep recurrent state (a row of which a batch keeps
+    only over the whole verify forward), it is refused naming that layer."""
+    from specnb.sources.early_exit import EarlyExitProvider
+    from specnb.sources.ngram import NgramProvider
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+    target, *_ = models(arch, 8)
+    recurrent = any(isinstance(c, ArraysCache) for c in make_prompt_cache(target)[:exit_layer])
+    ee = EarlyExitProvider(exit_layer)
+    try: batched_equals_alone(target, [ee, NgramProvider(), ee, None, ee, ee], sorted(EARLY_EXIT).index(arch))
+    except ValueError as e:
+        assert recurrent and "a recurrent layer" in str(e), (arch, e)
+    else: assert not recurrent, arch
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [4, 8, 16])
+def test_batched_assistant(window, tmp_path):
+    "Gemma 4's assistant in batched rounds (issue 31) on a tiny random gemma4_text target of sliding window `window`: each request equals its run alone."
+    from specnb.sources.assistant import AssistantProvider, random_assistant, tiny_gemma4
+    from specnb.sources.ngram import NgramProvider
+    target = tiny_gemma4(window=window)
+    a = AssistantProvider(random_assistant(target, tmp_path))
+    batched_equals_alone(target, [a, NgramProvider(), a, None, a, a], window)
+    assert type(target.model.norm).__name__ == "RMSNorm"   # every request closed: the target reads its own norm again

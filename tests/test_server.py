@@ -727,23 +727,26 @@ def test_load_32_clients_all_answered():
         assert metric(u, "specnb_refused_requests_total", reason="queue_full") == refused
         assert h["threads"] <= start["threads"] + 40 + 2, (h["threads"], start["threads"])
 
-def test_unbatchable_sources_run_one_at_a_time_and_say_so():
-    "An early-exit source reads the target's own caches, which a batch does not lend: the server says so at start-up and serves one at a time."
-    with running_server("--draft-kind", "early-exit", "--exit-layer", "3") as u:
+def batched_as_alone(pair, provider, server_args:tuple, clients:int, max_tokens:int):
+    "A server started with `server_args` batches (its `/health` says so), and `clients` concurrent clients each get the text `provider` gives alone."
+    tok = pair.tokenizer
+    with running_server(*server_args) as u:
         b = httpx.get(u + "/health").json()["batch"]
-        assert b["max_size"] == 1 and "early exit" in b["not_batched"], b
+        assert (b["max_size"], b["not_batched"]) == (8, None), b
+        c = openai.OpenAI(base_url=u + "/v1", api_key="not-needed", max_retries=0, timeout=120)
+        ask = lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=max_tokens, extra_body={"logit_bias": NO_EOS})
+        with ThreadPoolExecutor(clients) as ex: got = list(ex.map(ask, BATCH_PROMPTS[:clients]))
+    no_eos = make_logits_processors({0: -100})
+    for r, p in zip(got, BATCH_PROMPTS[:clients]):
+        ref = spec_generate(pair.target, provider, tok.encode(p), max_tokens=max_tokens, logits_processors=no_eos)
+        assert r.choices[0].text == tok.decode(ref.tokens) and r.usage.speculation["drafted"] > 0
+
+def test_cache_reading_sources_are_batched(pair):
+    "An early-exit source drafts on the target's own caches: batched rounds lend each request its own row of them (#31) — 2 concurrent clients, each its text alone."
+    from specnb.sources.early_exit import EarlyExitProvider
+    batched_as_alone(pair, EarlyExitProvider(3), ("--draft-kind", "early-exit", "--exit-layer", "3"), clients=2, max_tokens=16)
 
 def test_hidden_state_drafters_are_batched(pair):
     "The draft head reads the target's hidden states: batched rounds hand each request its rows (#31) — 4 concurrent clients, each its text alone."
     from specnb.sources.head import HeadProvider
-    tok = pair.tokenizer
-    with running_server("--draft-kind", "head") as u:
-        b = httpx.get(u + "/health").json()["batch"]
-        assert (b["max_size"], b["not_batched"]) == (8, None), b
-        c = openai.OpenAI(base_url=u + "/v1", api_key="not-needed", max_retries=0, timeout=120)
-        ask = lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=24, extra_body={"logit_bias": NO_EOS})
-        with ThreadPoolExecutor(4) as ex: got = list(ex.map(ask, BATCH_PROMPTS[:4]))
-    no_eos = make_logits_processors({0: -100})
-    for r, p in zip(got, BATCH_PROMPTS[:4]):
-        ref = spec_generate(pair.target, HeadProvider(), tok.encode(p), max_tokens=24, logits_processors=no_eos)
-        assert r.choices[0].text == tok.decode(ref.tokens) and r.usage.speculation["drafted"] > 0
+    batched_as_alone(pair, HeadProvider(), ("--draft-kind", "head"), clients=4, max_tokens=24)

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import gemma4_text
 from mlx_lm.models.cache import KVCache
 from ..window import SpecRotatingKVCache
+from ..ragged import RowCache
 from ..tap import arch_name, text_model
 from .base import TargetView, draft_distribution, draft_tokens
 
@@ -177,21 +178,23 @@ def borrowed_kv(c, window:int|None=None)->tuple:
     P = c.offset
     if isinstance(c, SpecRotatingKVCache):
         return c.kept(window)   # the ring's slots from its oldest sure position on; its slack past P holds rejected drafts
+    if isinstance(c, RowCache): return c.kept(window)   # a request's row of a batch's cache (04c): the same positions, read off its row
     if type(c) is KVCache: return c.keys[..., :P, :], c.values[..., :P, :]
-    raise ValueError(f"the Gemma 4 assistant cannot read the target's {type(c).__name__}: it reads mlx-lm's KVCache and specnb's SpecRotatingKVCache")
+    raise ValueError(f"the Gemma 4 assistant cannot read the target's {type(c).__name__}: it reads mlx-lm's KVCache, specnb's SpecRotatingKVCache and a batch's rows")
 
 # %% ../../nbs/05p_assistant.ipynb #cec4e052
 class _LastHidden(nn.Module):
-    "Stands in for the target's final norm while a request drafts: the norm's own weight and output; the source keeps the rows."
-    def __init__(self, norm, source):
+    "Stands in for the target's final norm while assistant sources read it: the norm's own weight and output, handed to the sources watching the forward."
+    def __init__(self, norm):
         super().__init__()
         dict.update(self, norm)                    # the same weight: the target's parameters look unchanged
         object.__setattr__(self, "real", norm)     # plain attributes, not child modules
-        object.__setattr__(self, "source", source)
+        object.__setattr__(self, "readers", [])   # the open sources; each keeps the rows of the forwards it watches
 
     def __call__(self, x):
         h = self.real(x)
-        self.source._took(h)
+        for s in self.readers:
+            if s.watching: s._took(h)
         return h
 
 class Anchor:
@@ -219,17 +222,25 @@ class AssistantSource:
         a, inner = lm.args, lm.model
         self.embed, self.scale, self.window = inner.embed_tokens, inner.embed_scale, a.sliding_window
         self.caches = {kind: target.cache[_last_of(a, kind)] for kind in sorted(set(d.args.layer_types))}
-        self.rows, self.start, self.anchor, self.logits = None, 0, None, []
-        if isinstance(inner.norm, _LastHidden): raise RuntimeError("this target's final norm is already read by another assistant source")
-        self.inner, self.norm = inner, inner.norm
-        inner.norm = _LastHidden(inner.norm, self)
+        self.rows, self.start, self.anchor, self.logits, self.watching = None, 0, None, [], False
+        if not isinstance(inner.norm, _LastHidden): inner.norm = _LastHidden(inner.norm)   # one stand-in, however many requests read it
+        self.inner = inner
+        inner.norm.readers.append(self)
+
+    def watch(self):
+        "A context around the target forwards this request runs: their final hidden rows are its own (the executor's `r.watch`)."
+        return self
+    def __enter__(self): self.watching = True
+    def __exit__(self, *exc): self.watching = False
 
     def offset(self)->int:
         "Positions the target holds."
         return next(iter(self.caches.values())).offset   # every cache holds the same positions
 
     def _took(self, h):
-        "A target forward's final hidden rows `(1, T, H)`, at positions `start … start+T−1`."
+        "A target forward's final hidden rows `(B, T, H)`: its own, at positions `start … start+T−1` (in a batch, its row's: its caches are row views)."
+        slot = getattr(next(iter(self.caches.values())), "slot", None)
+        if slot is not None: h = h[slot.index:slot.index + 1]
         self.rows, self.start = h, self.offset() - h.shape[1]
 
     def prefill(self, prompt_ids, ctx=None):
@@ -274,8 +285,11 @@ class AssistantSource:
         return [Anchor(h, len(held))]
 
     def close(self):
-        "Give the target its own final norm back."
-        if isinstance(self.inner.norm, _LastHidden) and self.inner.norm.source is self: self.inner.norm = self.norm
+        "Stop reading the target's final norm; the last source to close gives the target its own norm back."
+        norm = self.inner.norm
+        if isinstance(norm, _LastHidden) and self in norm.readers:
+            norm.readers.remove(self)
+            if not norm.readers: self.inner.norm = norm.real
         self.rows = self.anchor = None
 
 # %% ../../nbs/05p_assistant.ipynb #af1ef5f2
