@@ -11,6 +11,7 @@ __all__ = ['QWEN_STYLE_TEMPLATE', 'GEMMA_STYLE_TEMPLATE', 'STYLES', 'TOOL_FORMAT
 
 # %% ../../nbs/08ca_answer.ipynb #e6153c7c
 import json, uuid
+from functools import lru_cache
 from pathlib import Path
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from xgrammar.builtin_structural_tag import get_model_structural_tag
@@ -210,6 +211,7 @@ def tool_grammar(tokenizer, tools:list, tool_choice, parallel_tool_calls, reason
     return from_structural_tag(tokenizer, tag, [t["function"].get("parameters") for t in tools])
 
 # %% ../../nbs/08ca_answer.ipynb #b768b7a8
+@lru_cache(maxsize=1 << 16)   # a request with top_logprobs 20 names 21 tokens a position, mostly the same few thousand
 def _piece(tokenizer, t:int)->str: return tokenizer.decode([t])
 
 def chat_logprobs(tokenizer, entries:list)->dict:

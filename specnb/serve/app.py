@@ -163,14 +163,16 @@ def echo_text(tokenizer, prompt)->str:
 
 # %% ../../nbs/08g_app.ipynb #51ed46cc
 async def respond(engine:Engine, req:BaseRequest, endpoint:str, prompt:list, request:Request,
-                  echo:str=""): # text the answer starts with, before what is generated (a completion's `echo`: its prompt)
+                  echo:str="",          # text the answer starts with, before what is generated (a completion's `echo`: its prompt)
+                  tools:list|None=None, # a chat request's tools, as `tool_dicts` read them
+                 ):
     "Queue the request's jobs (its `n` choices) and answer them: streamed, or as one body."
-    tools = tool_dicts(req) if endpoint == "chat" else None
     jobs, group, loop = [], Choices() if req.n > 1 else None, asyncio.get_running_loop()
+    grammar = await run_in_threadpool(turn_grammar, engine.tokenizer, req, tools, prompt)   # compiling can take a while: once, off the loop
     for i in range(req.n):
         job = make_job(engine.limits, req, endpoint, prompt, None, choice=i)
         job.request, job.group, job.loop = req, group, loop
-        job.grammar = await run_in_threadpool(turn_grammar, engine.tokenizer, req, tools, prompt)   # compiling can take a while
+        job.grammar = grammar if i == 0 or grammar is None else grammar.fork()   # each choice walks its own matcher from the start
         jobs.append(job)
     engine.submit(*jobs)
     reply = Reply(endpoint, engine.limits.model_id, req.stream_options is not None and req.stream_options.include_usage)
@@ -238,9 +240,10 @@ def _add_routes(app:FastAPI, engine:Engine):
     async def chat_completions(req:ChatRequest, request:Request):
         check_model(engine.limits, req.model)
         if req.top_logprobs is not None and not req.logprobs: raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        tools = tool_dicts(req)
         prompt = await run_in_threadpool(chat_prompt, engine.limits, req.messages, asked_tokens(req) or 1, req.chat_template_kwargs,
-                                         req.reasoning_effort, tool_dicts(req))   # off the loop
-        return await respond(engine, req, "chat", prompt, request)
+                                         req.reasoning_effort, tools)   # off the loop
+        return await respond(engine, req, "chat", prompt, request, tools=tools)
 
     @app.post("/v1/completions")
     async def completions(req:CompletionRequest, request:Request):
