@@ -10,6 +10,7 @@ __all__ = ['OPTIONS', 'KINDS', 'DraftKind', 'behind_lookup', 'find_kind', 'unrea
            'load_drafting']
 
 # %% ../../nbs/05l_registry.ipynb #18e354b6
+import importlib
 from dataclasses import dataclass
 
 # %% ../../nbs/05l_registry.ipynb #113900b0
@@ -53,25 +54,18 @@ def _head(draft, draft_head=None):
     from specnb.sources.head import HeadProvider
     return HeadProvider(draft_head)   # None: the head shipped for the bundled target
 
-def _eagle3(draft, draft_model=None):
-    from specnb.sources.eagle3 import Eagle3Provider
-    if draft_model is None: raise ValueError("eagle3 drafting reads a published EAGLE-3 checkpoint: give it with --draft-model (a folder or hub id)")
-    return Eagle3Provider(draft_model)   # a folder, a hub id, or a loaded drafter
+def _published(module:str, cls:str, what:str, where:str="--draft-model (a folder or hub id)", **rename):
+    "`make` for a kind that reads a published checkpoint: `specnb.sources.{module}.{cls}(draft_model, **options)`, options renamed by `rename`."
+    def make(draft, draft_model=None, **options):
+        if draft_model is None: raise ValueError(f"{module} drafting reads {what}: give it with {where}")
+        provider = getattr(importlib.import_module(f"specnb.sources.{module}"), cls)   # imported when asked for: each pulls in its own formats
+        return provider(draft_model, **{rename.get(k, k): v for k, v in options.items()})   # a folder, a hub id, or a loaded drafter
+    return make
 
-def _mtp(draft, draft_model=None):
-    from specnb.sources.mtp import MtpProvider
-    if draft_model is None: raise ValueError("mtp drafting reads the MTP layers in the target's original checkpoint: give it with --model (or --draft-model)")
-    return MtpProvider(draft_model)
-
-def _assistant(draft, draft_model=None):
-    from specnb.sources.assistant import AssistantProvider
-    if draft_model is None: raise ValueError("assistant drafting reads a published Gemma 4 assistant checkpoint: give it with --draft-model (a folder or hub id)")
-    return AssistantProvider(draft_model)
-
-def _dflash(draft, draft_model=None, draft_p_min=None):
-    from specnb.sources.dflash import DFlashProvider
-    if draft_model is None: raise ValueError("dflash drafting reads a published DFlash checkpoint: give it with --draft-model (a folder or hub id)")
-    return DFlashProvider(draft_model, p_min=draft_p_min)   # p_min: the block is cut before its first unsure position
+_eagle3 = _published("eagle3", "Eagle3Provider", "a published EAGLE-3 checkpoint")
+_mtp = _published("mtp", "MtpProvider", "the MTP layers in the target's original checkpoint", "--model (or --draft-model)")
+_assistant = _published("assistant", "AssistantProvider", "a published Gemma 4 assistant checkpoint")
+_dflash = _published("dflash", "DFlashProvider", "a published DFlash checkpoint", draft_p_min="p_min")   # p_min: the block is cut before its first unsure position
 
 def behind_lookup(kind:DraftKind)->DraftKind:
     "`kind` behind prompt lookup: `{name}+lookup`, reading its options and the n-gram lengths."
