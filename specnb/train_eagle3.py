@@ -84,7 +84,8 @@ def train_eagle3(target,                # the frozen target (an mlx-lm model)
                  drafter:Eagle3,        # the drafter to train (`new_eagle3`), in place
                  data:dict,             # {"train": …, "heldout": …}: 1-D token ids
                  steps:int, peak_lr:float=2e-3, unroll:int=STEPS_UNROLLED, batch:int=BATCH, seq:int=SEQ,
-                 seed:int=0, eval_every:int=100, log=print)->list:
+                 seed:int=0, eval_every:int=100, log=print,
+                 warmup:int=50)->list:       # steps of linear learning-rate warm-up before the cosine decay
     "Train `drafter` on `target`'s tapped features and distributions for `steps` steps; returns the evaluation history."
     mx.random.seed(seed)
     rng, tap = np.random.default_rng(seed), Tap(target, Eagle3Provider(drafter).tap_layers(target))
@@ -99,7 +100,7 @@ def train_eagle3(target,                # the frozen target (an mlx-lm model)
             hist.append(eval_row(drafter, held, step, step * batch * seq, t0, unroll))
             if log: log(hist[-1])
         if step == steps: break
-        opt.learning_rate = lr_at(step, steps, peak_lr)
+        opt.learning_rate = lr_at(step, steps, peak_lr, warmup)
         loss, g = grad(drafter, *draw(data["train"], batch, rng))
         opt.update(drafter, g)
         mx.eval(drafter.parameters(), opt.state, loss)
