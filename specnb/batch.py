@@ -18,6 +18,7 @@ from fastcore.meta import delegates
 from .prefill import prefill_drain
 from .ragged import Slot, lend, take_back
 from .ragged_state import batch_cache
+from .rollback import leaves
 from .tap import Tap
 from .accept import RandomStream
 from .batch_sources import check_batchable, BatchedProvider, drafts_together, DraftGroup, draft_group
@@ -117,7 +118,7 @@ def _join(self:Batch, q:_Reading):
     r.res.stats.prefill_s = time.perf_counter() - q.t0
     slot = Slot(len(self.slots))
     w = _Row(q.id, r, slot, r.cache, q.rng, q.on_token, len(r.full) == 1, time.perf_counter())
-    for c in r.cache: c.offset = getattr(c, "offset", len(r.full) - 1)   # mlx-lm's recurrent state (a plain request's) does not count its tokens
+    for c in leaves(r.cache): c.offset = getattr(c, "offset", len(r.full) - 1)   # mlx-lm's recurrent state (a plain request's) does not count its tokens
     r.cache = lend(r.cache, self.cache, slot)
     self.slots.append(slot)
     self.rows.append(w)
@@ -224,7 +225,7 @@ def _leave(self:Batch, w:_Row):
     "Take the request out: check the cache invariant, give its caches back (a prompt cache keeps them), close its source and count."
     r = w.r
     held = len(r.full) + r.res.fed
-    if (has := r.cache[0].offset) != held:   # nothing of it may be kept: it leaves as a failed request does
+    if (has := next(leaves(r.cache)).offset) != held:   # nothing of it may be kept: it leaves as a failed request does
         self._drop(w)
         raise RuntimeError(f"request {w.id!r}: its row holds {has} tokens, not the {held} of its prompt and fed tokens")
     if w.group is not None: w.group.leave(r.source, *w.draft_row)

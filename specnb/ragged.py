@@ -11,7 +11,8 @@ __all__ = ['RaggedKVCache', 'RowCache', 'Slot', 'lend', 'take_back', 'RaggedRota
 from dataclasses import dataclass
 import mlx.core as mx
 from fastcore.basics import patch
-from mlx_lm.models.cache import _BaseCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import _BaseCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
+from .rollback import leaves
 from .window import SpecRotatingKVCache
 
 # %% ../nbs/04c_ragged.ipynb #dd043ed9
@@ -132,12 +133,16 @@ class Slot:
     "A request's row in a batch of caches: rows move up as others leave."
     index: int
 
+def _view(layer, slot:Slot):
+    "A request's view of one layer: a `RowCache`; of a layer of several caches (a `CacheList`, 04e), a `CacheList` of theirs."
+    return CacheList(*(RowCache(c, slot) for c in layer.caches)) if hasattr(layer, "caches") else RowCache(layer, slot)
+
 def lend(own:list, layers:list, slot:Slot)->list:
     "Move what the single-sequence caches `own` hold into a new row of `layers`; returns the row's views, one per layer."
     for layer, c in zip(layers, own):
         layer.join(c)
-        c.keys = c.values = None   # the batch holds them now
-    return [RowCache(layer, slot) for layer in layers]
+        for x in leaves([c]): x.keys = x.values = None   # the batch holds them now
+    return [_view(layer, slot) for layer in layers]
 
 def take_back(own:list, layers:list, slots:list, slot:Slot):
     "Give row `slot` of `layers` back to the single-sequence caches `own`; it leaves `slots`, and the rows after it move up."

@@ -10,7 +10,7 @@ from specnb.sources.ngram import NgramProvider
 from specnb.sources.two_model import TwoModelProvider
 from test_architectures import models
 
-ARCHS = ["llama", "gemma3_text", "gpt_oss", "qwen3_5", "lfm2", "mamba2"]   # windows of 8 where they slide
+ARCHS = ["llama", "gemma3_text", "gpt_oss", "qwen3_5", "lfm2", "mamba2", "nemotron_h", "recurrent_gemma", "falcon_h1"]   # windows of 8 where they slide
 
 def provider(kind:str, draft):
     return {"two-model": lambda: TwoModelProvider(draft), "ngram": NgramProvider, "plain": lambda: None}[kind]()
