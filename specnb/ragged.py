@@ -52,15 +52,21 @@ def update_and_fetch(self:RaggedKVCache, keys, values)->tuple:
     if self.keys.shape[2] < top:
         size = -(-top // self.step) * self.step
         self.keys, self.values = _pad_to(self.keys, size), _pad_to(self.values, size)
-    for i, e in enumerate(self.ends):
-        self.keys[i:i + 1, :, e:e + N, :] = keys[i:i + 1]
-        self.values[i:i + 1, :, e:e + N, :] = values[i:i + 1]
+    if len(set(self.ends)) == 1:   # rows level (one row alone, most often): one write, as mlx-lm's KVCache makes
+        e = self.ends[0]
+        self.keys[:, :, e:e + N, :], self.values[:, :, e:e + N, :] = keys, values
+    else:
+        for i, e in enumerate(self.ends):
+            self.keys[i:i + 1, :, e:e + N, :] = keys[i:i + 1]
+            self.values[i:i + 1, :, e:e + N, :] = values[i:i + 1]
     self.ends = [e + N for e in self.ends]
     return self.keys[..., :top, :], self.values[..., :top, :]
 
 @patch
 def make_mask(self:RaggedKVCache, N:int, return_array:bool=False, window_size=None)->mx.array:
     "`(B, 1, N, S)`: query j of row i sees the keys at positions `0..ends[i]+j` of its own row (with a `window_size` W, the last W of them)."
+    if window_size is None and not return_array and len(set(self.ends)) == 1:   # rows level: mlx-lm's own causal mask (its fast kernel)
+        return "causal" if N > 1 else None
     q = mx.array(self.ends)[:, None, None, None] + mx.arange(N)[:, None]
     k = mx.arange(self.size() + N)
     return k <= q if window_size is None else (k <= q) & (k > q - window_size)
