@@ -10,7 +10,7 @@ __all__ = ['idle_tick', 'describe', 'rebuild', 'RankCoordinator', 'rank_engine',
 
 # %% ../nbs/08b_serve_distributed.ipynb #8b000003
 import logging, os, queue, signal, time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from fastcore.basics import patch
 import mlx.core as mx
 from .distributed import share, agree as agree_everywhere, on_peer_exit, Watchdog
@@ -107,7 +107,7 @@ def turn(self:RankCoordinator, engine:Engine, batch:Batch, joins:list, leaving:l
         engine.refuse(job, RuntimeError(f"a rank of {self.group.size()} could not start this request, so no rank runs it"))
     joins = [j for j, b in zip(joins, bad) if not b]
     for job in joins: job.agree = _never
-    with self.watch: engine.batch_turn(batch, joins, leaving)
+    engine.batch_turn(batch, joins, leaving)   # the caller holds the watchdog armed (`--rank-timeout`)
 
 @patch
 def work_batched(self:RankCoordinator, engine:Engine):
@@ -126,9 +126,10 @@ def work_batched(self:RankCoordinator, engine:Engine):
             for job in joins:
                 if job.seed is None: job.seed = int.from_bytes(os.urandom(4), "little")   # the same draws on every rank
                 ids[job], n = n, n + 1
-            share({"turn": {"join": [{**describe(j), "id": ids[j]} for j in joins], "leave": [ids[j] for j in leaving],
-                            "keep": len(engine.cache)}}, self.group)
-            self.turn(engine, batch, joins, leaving)
+            with self.watch:   # from the turn's message to its end, a peer that dies or hangs ends this rank within --rank-timeout
+                share({"turn": {"join": [{**describe(j), "id": ids[j]} for j in joins], "leave": [ids[j] for j in leaving],
+                                "keep": len(engine.cache)}}, self.group)
+                self.turn(engine, batch, joins, leaving)
             ids, idle = {j: i for j, i in ids.items() if j in engine.active}, 0
         if stopping:
             batch.close()
@@ -146,7 +147,7 @@ def follow_turn(engine:Engine, batch:Batch, turn:dict, jobs:dict)->Batch:
             job = None
         joins.append(job)
         if job is not None: jobs[spec["id"]] = job
-    engine.coordinator.turn(engine, batch, joins, [jobs[i] for i in turn["leave"]])
+    with engine.coordinator.watch: engine.coordinator.turn(engine, batch, joins, [jobs[i] for i in turn["leave"]])
     for i in [i for i, j in jobs.items() if j not in engine.active]: del jobs[i]
     return batch
 
@@ -182,7 +183,8 @@ def follow(engine:Engine):
     due, idle, batch, jobs = time.monotonic(), 0, None, {}   # batched: the batch, and its jobs by rank 0's ids
     while True:
         time.sleep(max(due - time.monotonic(), 0))   # rank 0 speaks at `due`
-        msg = share(None, engine.coordinator.group)
+        busy = batch is not None and bool(len(batch) or batch.early)   # mid-batch, rank 0 must speak again soon: a silence is a fault
+        with engine.coordinator.watch if busy else nullcontext(): msg = share(None, engine.coordinator.group)
         if msg is None: return
         if "turn" in msg: batch = follow_turn(engine, batch or Batch(engine.model, interleave_prefill=True), msg["turn"], jobs)
         elif msg: follow_one(engine, msg)
