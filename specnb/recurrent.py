@@ -18,7 +18,7 @@ from fastcore.basics import patch
 from mlx.utils import tree_map
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.models.ssm import ssm_update
-from mlx_lm.utils import _get_classes
+from .models import model_from_config
 from .rollback import leaves, rollback
 from .window import as_spec_cache, spec_ring
 
@@ -54,10 +54,7 @@ def tiny_hybrid(arch:str,          # a key of `HYBRIDS`
     "A random mlx-lm `arch` model of a few layers, fp32, built from a config dict as `mlx_lm.load` builds it."
     if arch not in HYBRIDS: raise ValueError(f"unknown hybrid {arch!r}; choose one of {sorted(HYBRIDS)}")
     cfg = {"model_type": arch, **({} if "text_config" in HYBRIDS[arch] else _SHAPE), **HYBRIDS[arch], **config}
-    Model, Args = _get_classes(cfg)
-    mx.random.seed(seed)
-    model = Model(Args.from_dict(cfg))
-    model.set_dtype(mx.float32)
+    model = model_from_config(cfg, seed)
     model.update(tree_map(lambda w: w + noise * mx.random.normal(w.shape), model.parameters()))
     mx.eval(model.parameters())
     return model

@@ -104,7 +104,7 @@ def turn(self:RankCoordinator, engine:Engine, batch:Batch, joins:list, leaving:l
     bad = self.unbuilt(joins)
     for job, b in zip(joins, bad):
         if job is None or not b: continue
-        engine.refuse(job, RuntimeError(f"a rank of {self.group.size()} could not start this request, so no rank runs it"))
+        engine.fail(job, RuntimeError(f"a rank of {self.group.size()} could not start this request, so no rank runs it"))
     joins = [j for j, b in zip(joins, bad) if not b]
     for job in joins: job.agree = _never
     engine.batch_turn(batch, joins, leaving)   # the caller holds the watchdog armed (`--rank-timeout`)

@@ -4,9 +4,8 @@ greedy decoding's tokens, with no fall-back and rounds running after the ring ha
 are refused at `check`, naming the architecture."""
 import random
 import mlx.core as mx, pytest
-from mlx_lm.utils import _get_classes
 from specnb import generate, spec_generate
-from specnb.models import perturbed
+from specnb.models import model_from_config, perturbed
 from specnb.recurrent import tiny_hybrid
 from specnb.sources.head import random_head
 from specnb.sources.eagle3 import random_eagle3
@@ -39,10 +38,7 @@ def models(arch:str, window:int):
             cfg = dict(model_type=arch, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=False, **SLIDING.get(arch, FULL.get(arch)))
             if arch in SLIDING: cfg["sliding_window"] = window
-            Model, Args = _get_classes(cfg)
-            mx.random.seed(0)
-            m = Model(Args.from_dict(cfg))
-            mx.eval(m.parameters())
+            m = model_from_config(cfg)
         head = random_head(m, [0, 1], hidden_size=32, intermediate_size=64) if arch in HEAD else None
         eagle = random_eagle3(m, [1, 2]) if arch in HEAD else None   # hidden_states 1 and 2: the outputs of layers 0 and 1
         dflash = random_dflash(m, [0, 1], block_size=16) if arch in HEAD else None
@@ -152,8 +148,7 @@ def test_batched_recurrent_refused():
     from specnb.batch import check_batchable
     cfg = dict(model_type="mamba", vocab_size=128, hidden_size=64, intermediate_size=128, state_size=16, num_hidden_layers=2, conv_kernel=4,
                use_bias=False, use_conv_bias=True, time_step_rank=8)
-    Model, Args = _get_classes(cfg)
-    with pytest.raises(ValueError, match="MambaBlock"): check_batchable(Model(Args.from_dict(cfg)))
+    with pytest.raises(ValueError, match="MambaBlock"): check_batchable(model_from_config(cfg))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(EARLY_EXIT))

@@ -191,13 +191,8 @@ def _give_up(self:Engine, e:BaseException):
     self.live.clear()
 
 @patch
-def refuse(self:Engine, job:Job, e:Exception):
-    "Answer a job that will not run with a 500 naming why (`--distributed`: a rank could not build it)."
-    self._failed(job, e)
-
-@patch
-def _failed(self:Engine, job:Job, e:Exception):
-    "Answer a job that failed with a 500 (logged with its traceback) and forget it — the batch no longer holds it; the worker goes on."
+def fail(self:Engine, job:Job, e:Exception):
+    "Answer a job that failed, or will not run (`--distributed`: a rank could not build it), with a 500 naming why (logged with its traceback) and forget it — the batch no longer holds it; the worker goes on."
     log.error(f"request failed: {type(e).__name__}: {e}", exc_info=e)
     self.metrics.requests.labels(job.endpoint, "error").inc()
     job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
@@ -213,7 +208,7 @@ def _work(self:Engine):
     if self.max_batch_size > 1: return self._work_batched()
     while (job := self.jobs.get()) is not None:
         try: self.serve_one(job)
-        except Exception as e: self._failed(job, e)
+        except Exception as e: self.fail(job, e)
 
 @patch
 def serve_one(self:Engine, job:Job):
@@ -224,9 +219,9 @@ def serve_one(self:Engine, job:Job):
     self.active[job] = None
     self.metrics.running.inc()
     try: self.run(job)
-    except Exception as e: self._failed(job, e)   # a failed request must not take the worker down
+    except Exception as e: self.fail(job, e)   # a failed request must not take the worker down
     finally:
-        if self.active.pop(job, False) is not False: self.metrics.running.dec()   # not when `_failed` has taken it out
+        if self.active.pop(job, False) is not False: self.metrics.running.dec()   # not when `fail` has taken it out
     self.live.discard(job)   # answered: until then, a worker that stops answers it (`_give_up`)
     if self.jobs.empty(): mx.clear_cache()   # idle: the buffers MLX keeps for reuse go back to the system
 
@@ -340,7 +335,7 @@ def _join(self:Engine, batch:Batch, job:Job):
         batch.add(job.prompt[run.n_cached:], run.provider, id=job, seed=job.seed,
                   on_token=run.sink.add, **self._options(run))
         run.sink.result = batch.result(job)
-    except Exception as e: return self._failed(job, e)
+    except Exception as e: return self.fail(job, e)
     self.active[job] = run
     self.metrics.running.inc()
 
@@ -380,7 +375,7 @@ def _end(self:Engine, run:_Run, res, finish:str|None=None):
     "A job left the batch: flush its text, answer it, free its slot and its memory."
     job = run.job
     try: self._answer(run, res, finish or run.sink.close())
-    except Exception as e: return self._failed(job, e)
+    except Exception as e: return self.fail(job, e)
     del self.active[job]
     self.live.discard(job)
     self.metrics.running.dec()
@@ -396,7 +391,7 @@ def leave(self:Engine, batch:Batch, jobs:list):
     for job in jobs:
         run = self.active[job]
         try: res = batch.remove(job)   # it leaves the batch even when this raises
-        except Exception as e: self._failed(job, e)
+        except Exception as e: self.fail(job, e)
         else: self._end(run, res, "cancelled")
 
 @patch
@@ -408,9 +403,9 @@ def _round(self:Engine, batch:Batch):
     except Exception as e:
         log.exception("batched round failed")
         batch.close()
-        for job in list(self.active): self._failed(job, e)
+        for job in list(self.active): self.fail(job, e)
         return
-    for job, e in batch.failed: self._failed(job, e)
+    for job, e in batch.failed: self.fail(job, e)
     for job, res in ended: self._end(self.active[job], res)
 
 @patch
@@ -440,7 +435,7 @@ def _work_batched(self:Engine):
             log.exception("the batched worker's turn failed: its jobs are answered 500, the worker goes on")
             batch.close()
             self.waiting = None
-            for job in self.live - set(self.jobs.queue): self._failed(job, e)   # every job it had taken from the queue
+            for job in self.live - set(self.jobs.queue): self.fail(job, e)   # every job it had taken from the queue
             batch = Batch(self.model, interleave_prefill=True)
     self.leave(batch, self.stopped())   # stopping: `close` has cancelled them all
     batch.close()
