@@ -13,7 +13,7 @@ import mlx.core as mx
 from fastcore.basics import patch
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, make_prompt_cache
 from .rollback import leaves
-from .recurrent import RecurrentCache, CAPTURABLE, watch_mixers
+from .recurrent import RecurrentCache, CAPTURABLE, PREFIXED, layer_name, prefix_states, watch_mixers
 from .ragged import RaggedKVCache, RaggedRotatingKVCache
 
 # %% ../nbs/04e_ragged_state.ipynb #d89faeb3
@@ -70,22 +70,30 @@ def _exit(self:RaggedStateCache):
 def _capturable(self:RaggedStateCache, x, mask, default)->bool: return True
 
 @patch
-def capture_window(self:RaggedStateCache, module, call, bound:dict, x:mx.array)->mx.array:
-    "One forward of `module` over S copies of each row's window, copy j reading j+1 tokens: every row's state after each of its positions."
-    self._settle()
+def _copies(self:RaggedStateCache, module, call, bound:dict, x:mx.array)->tuple:
+    "`(states, out)`: one forward of `module` over S copies of each row's window, copy j reading j+1 tokens (right padding and `lengths`)."
     B, S = x.shape[:2]
     grow = lambda a: mx.repeat(a, S, axis=0) if isinstance(a, mx.array) and a.ndim >= 2 and a.shape[:2] == (B, S) else a
     bound = {k: grow(v) for k, v in bound.items()}
     bound["mask"] = mx.tile(mx.arange(S)[None] < mx.arange(1, S + 1)[:, None], (B, 1))
-    self.before = list(self.cache)
     self.cache = [None if a is None else mx.repeat(a, S, axis=0) for a in self.cache]
     self.lengths = mx.tile(mx.arange(1, S + 1), B)
     try: out = call(module, **bound)
     finally: self.lengths = None
-    self.window, self.S, self._captured = list(self.cache), S, True
+    return list(self.cache), out[S - 1::S]   # each row's full copy: its outputs at its own positions (past them, padding nobody reads)
+
+@patch
+def capture_window(self:RaggedStateCache, module, call, bound:dict, x:mx.array)->mx.array:
+    "Every row's state after each of its positions: S copies of the window in one forward, or each prefix in turn (a `PREFIXED` layer)."
+    self._settle()
+    S = x.shape[1]
+    self.before = list(self.cache)
+    prefixed = layer_name(module) in PREFIXED
+    self.window, out = prefix_states(module, call, self, bound, x) if prefixed else self._copies(module, call, bound, x)
+    self.S, self._captured = S, True
     self.cache = [None] * len(self.cache)
     self.starts, self.ends = list(self.ends), [e + S for e in self.ends]
-    return out[S - 1::S]   # each row's full copy: its outputs at its own positions (past them, padding nobody reads)
+    return out
 
 # %% ../nbs/04e_ragged_state.ipynb #67f44a13
 @patch
@@ -121,19 +129,15 @@ def drop(self:RaggedStateCache, i:int):
     self.cache = [None if a is None or not keep else a[mx.array(keep)] for a in self.cache]
 
 # %% ../nbs/04e_ragged_state.ipynb #1e728c1d
-def _name(m)->str:
-    cls = getattr(type(m), "_watches", type(m))   # a watched mixer: the mlx-lm class it watches
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-def _takes_cache(m)->bool: return "cache" in inspect.signature(type(m).__call__).parameters
+def _takes_cache(m)->bool: return "cache" in inspect.signature(getattr(type(m), "_watches", type(m)).__call__).parameters   # watched: its mlx-lm class's
 
 def unbatched_state(model)->str|None:
     "Why batched rounds cannot hold `model`'s recurrent layers, in words; None when each is one mixer in `CAPTURABLE` (or it has none)."
     cache = list(leaves(make_prompt_cache(model)))   # Falcon-H1's layers: a `CacheList` of Mamba state and attention each
     if not any(isinstance(c, ArraysCache) for c in cache): return None
-    if sum(isinstance(c, ArraysCache) for c in cache) == sum(_name(m) in CAPTURABLE for _, m in model.named_modules()): return None
+    if sum(isinstance(c, ArraysCache) for c in cache) == sum(layer_name(m) in CAPTURABLE for _, m in model.named_modules()): return None
     inner = [m for _, m in model.named_modules() if _takes_cache(m) and not any(_takes_cache(s) for _, s in m.named_modules()[1:])]
-    bad = sorted({_name(m) for m in inner if _name(m) not in CAPTURABLE and "attention" not in _name(m).lower()})
+    bad = sorted({layer_name(m) for m in inner if layer_name(m) not in CAPTURABLE and "attention" not in layer_name(m).lower()})
     return f"recurrent mixers that run a row's right padding into its state ({', '.join(bad)})"
 
 class RaggedCacheList(CacheList):

@@ -20,11 +20,11 @@ SLIDING = {   # each architecture's own keys, on top of the shared tiny shape (a
     "gemma4_text": dict(sliding_window_pattern=2, global_head_dim=16, num_kv_shared_layers=2, hidden_size_per_layer_input=0),
 }
 FULL = {"qwen3": dict(rope_theta=1e4, max_position_embeddings=512)}
-HYBRID = ["qwen3_5", "qwen3_next", "lfm2", "nemotron_h", "mamba2", "falcon_h1", "granitemoehybrid", "recurrent_gemma"]
+HYBRID = ["qwen3_5", "qwen3_next", "lfm2", "nemotron_h", "mamba2", "falcon_h1", "granitemoehybrid", "recurrent_gemma", "mamba", "jamba", "rwkv7", "kimi_linear"]
 ARCHS = [*SLIDING, *FULL, *HYBRID]
 # the sources that read the target, where they can (nbs/05d_early_exit.ipynb, nbs/05e_head.ipynb); the rest refuse at `check`
-EARLY_EXIT = {"llama", "qwen3", "gemma3_text", "gpt_oss", "cohere2", "qwen3_5", "qwen3_next", "granitemoehybrid"}
-HEAD = {"llama", "qwen3", "gemma3_text", "gpt_oss", "cohere2", "qwen3_5", "qwen3_next", "granitemoehybrid"}   # and EAGLE-3, DFlash (nbs/05m_eagle3.ipynb, 05q_dflash.ipynb)
+EARLY_EXIT = {"llama", "qwen3", "gemma3_text", "gpt_oss", "cohere2", "qwen3_5", "qwen3_next", "granitemoehybrid", "kimi_linear"}
+HEAD = {"llama", "qwen3", "gemma3_text", "gpt_oss", "cohere2", "qwen3_5", "qwen3_next", "granitemoehybrid", "kimi_linear"}   # and EAGLE-3, DFlash (nbs/05m_eagle3.ipynb, 05q_dflash.ipynb)
 
 def windowed(arch:str)->bool: return arch in SLIDING or arch == "recurrent_gemma"
 
@@ -130,7 +130,8 @@ def batched_equals_alone(target, provs:list, seed:int):
         batched = spec_generate_batch(target, provs, prompts, options=opts, seeds=seeds, sampler=sampler, max_batch_size=3, interleave_prefill=True)
         assert [key(r) for r in batched] == [key(r) for r in alone], sampler
 
-BATCHED_HYBRID = ["qwen3_5", "qwen3_next", "lfm2", "mamba2", "granitemoehybrid", "nemotron_h", "recurrent_gemma", "falcon_h1"]   # recurrent mixers batched rounds capture per row (nbs/04e_ragged_state.ipynb)
+BATCHED_HYBRID = ["qwen3_5", "qwen3_next", "lfm2", "mamba2", "granitemoehybrid", "nemotron_h", "recurrent_gemma", "falcon_h1",
+                  "mamba", "jamba", "rwkv7", "kimi_linear"]   # recurrent mixers batched rounds capture per row (nbs/04e_ragged_state.ipynb)
 
 @pytest.mark.parametrize("arch", BATCHED_HYBRID)
 def test_batched_recurrent(arch):
@@ -144,11 +145,11 @@ def test_batched_recurrent(arch):
     batched_equals_alone(target, [two, NgramProvider(), two, None, NgramProvider(), two], BATCHED_HYBRID.index(arch))
 
 def test_batched_recurrent_refused():
-    "A recurrent mixer batched rounds cannot hold per row (Mamba 1's, which knows no padding) is refused up front, naming the layer."
+    "A recurrent mixer batched rounds do not hold per row (PLaMo 2's, whose padding is not checked here) is refused up front, naming the layer."
     from specnb.batch import check_batchable
-    cfg = dict(model_type="mamba", vocab_size=128, hidden_size=64, intermediate_size=128, state_size=16, num_hidden_layers=2, conv_kernel=4,
-               use_bias=False, use_conv_bias=True, time_step_rank=8)
-    with pytest.raises(ValueError, match="MambaBlock"): check_batchable(model_from_config(cfg))
+    cfg = dict(model_type="plamo2", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, hidden_size_per_head=16, mamba_d_state=16, mamba_d_conv=4, mamba_num_heads=4, mamba_step=2)
+    with pytest.raises(ValueError, match="plamo2.Mamba"): check_batchable(model_from_config(cfg))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(EARLY_EXIT))
