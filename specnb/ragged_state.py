@@ -8,7 +8,7 @@ Docs: https://specnb.github.io/specnb/ragged_state.html.md"""
 __all__ = ['RaggedStateCache', 'unbatched_state', 'RaggedCacheList', 'batch_cache']
 
 # %% ../nbs/04e_ragged_state.ipynb #8264bb8e
-import inspect
+import inspect, re
 import mlx.core as mx
 from fastcore.basics import patch
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, make_prompt_cache
@@ -129,6 +129,8 @@ def drop(self:RaggedStateCache, i:int):
     self.cache = [None if a is None or not keep else a[mx.array(keep)] for a in self.cache]
 
 # %% ../nbs/04e_ragged_state.ipynb #1e728c1d
+def _attention(name:str)->bool: return bool(re.search(r"(?<!Linear)(?<!Delta)Attention$", name))   # a KV layer: not a mixer (KimiDeltaAttention is)
+
 def _takes_cache(m)->bool: return "cache" in inspect.signature(getattr(type(m), "_watches", type(m)).__call__).parameters   # watched: its mlx-lm class's
 
 def unbatched_state(model)->str|None:
@@ -137,7 +139,8 @@ def unbatched_state(model)->str|None:
     if not any(isinstance(c, ArraysCache) for c in cache): return None
     if sum(isinstance(c, ArraysCache) for c in cache) == sum(layer_name(m) in CAPTURABLE for _, m in model.named_modules()): return None
     inner = [m for _, m in model.named_modules() if _takes_cache(m) and not any(_takes_cache(s) for _, s in m.named_modules()[1:])]
-    bad = sorted({layer_name(m) for m in inner if layer_name(m) not in CAPTURABLE and "attention" not in layer_name(m).lower()})
+    names = {layer_name(m) for m in inner} - CAPTURABLE
+    bad = sorted(n for n in names if not _attention(n)) or sorted(names)   # an attention layer that keeps state itself (Baichuan-M1's)
     return f"recurrent mixers that run a row's right padding into its state ({', '.join(bad)})"
 
 class RaggedCacheList(CacheList):

@@ -53,6 +53,16 @@ HYBRIDS = {   # each architecture's own keys, on top of `_SHAPE`
                         linear_attn_config=dict(kda_layers=[1, 3], full_attn_layers=[2, 4], num_heads=4, head_dim=16, short_conv_kernel_size=4),
                         moe_intermediate_size=64, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts_per_token=2,
                         first_k_dense_replace=1),
+    "plamo2": dict(num_hidden_layers=2, hidden_size_per_head=16, mamba_d_state=16, mamba_d_conv=4, mamba_num_heads=4, mamba_step=2),
+    "lfm2_moe": dict(num_hidden_layers=4, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, norm_eps=1e-5,
+                     max_position_embeddings=512, use_expert_bias=True, num_dense_layers=1, conv_bias=False, conv_L_cache=3, full_attn_idxs=[1, 3]),
+    "olmo_hybrid": dict(**{k: v for k, v in _GDN.items() if k != "full_attention_interval"}, linear_allow_neg_eigval=True, attention_bias=False,
+                        max_position_embeddings=512, tie_word_embeddings=False, layer_types=["linear_attention", "full_attention"] * 2),
+    "bailing_moe_linear": dict(num_hidden_layers=4, max_position_embeddings=512, moe_intermediate_size=64, num_experts=4, num_shared_experts=1,
+                               norm_topk_prob=True, num_experts_per_tok=2, rms_norm_eps=1e-6, rope_theta=1e4, first_k_dense_replace=1,
+                               layer_group_size=2, group_norm_size=1),
+    "gear": dict(num_hidden_layers=4, rms_norm_eps=1e-6, sliding_window=512, max_position_embeddings=512,
+                 layer_types=["conv_mixer", "sliding_attention", "conv_mixer", "full_attention"]),
 }
 
 def tiny_hybrid(arch:str,          # a key of `HYBRIDS`
@@ -150,7 +160,8 @@ def is_trimmable(self:RecurrentCache)->bool:
 def reserve(self:RecurrentCache, n:int):
     "Make a forward of `n` tokens keepable for rollback (the executor's `can_take` calls this before each verify)."
     if self.lost: raise RuntimeError("a RecurrentCache was written by a layer make_recurrent_caches did not watch: it cannot give "
-                                     "tokens back; build the caches with make_recurrent_caches(model) for the model that uses them")
+                                     "tokens back; build the caches with make_recurrent_caches(model) for the model that uses them (a layer that keeps state "
+                                     "beside its KV cache in one CacheList, as Baichuan-M1's attention does, cannot speculate: decode it plainly)")
     self.max_verify = max(self.max_verify, n)
 
 @patch
@@ -193,10 +204,12 @@ def _cut(self:RecurrentCache, step:Step, to:int):
 # %% ../nbs/04b_hybrid.ipynb #93db3acb
 GATED_DELTA = {"mlx_lm.models.qwen3_5.GatedDeltaNet", "mlx_lm.models.qwen3_next.Qwen3NextGatedDeltaNet"}
 PREFIXED = {   # layers that know no padding at all: captured by reading each prefix of the window in turn (`prefix_states`)
-    "mlx_lm.models.mamba.MambaBlock", "mlx_lm.models.jamba.JambaMambaMixer", "mlx_lm.models.rwkv7.Rwkv7Layer"}
+    "mlx_lm.models.mamba.MambaBlock", "mlx_lm.models.jamba.JambaMambaMixer", "mlx_lm.models.rwkv7.Rwkv7Layer",
+    "mlx_lm.models.olmo_hybrid.GatedDeltaNet", "mlx_lm.models.bailing_moe_linear.LinearAttention"}
 CAPTURABLE = GATED_DELTA | PREFIXED | {   # layers whose batched right padding leaves each row's state at its own length (checked below)
     "mlx_lm.models.lfm2.ShortConv", "mlx_lm.models.mamba2.Mamba2Block", "mlx_lm.models.falcon_h1.FalconH1Mixer",
     "mlx_lm.models.granitemoehybrid.GraniteMoeHybridMamba2Mixer", "mlx_lm.models.kimi_linear.KimiDeltaAttention",
+    "mlx_lm.models.plamo2.Mamba", "mlx_lm.models.lfm2_moe.ShortConv", "mlx_lm.models.gear.ConvKVGatedMixer",
     "mlx_lm.models.nemotron_h.NemotronHMamba2Mixer", "mlx_lm.models.recurrent_gemma.RecurrentBlock"}   # these two through `ROW_LENGTHS`, below
 CAPTURE_BY_DEFAULT = GATED_DELTA   # where capture measured cheaper than replay (see "What it costs")
 CAPTURE_MAX_WINDOW = 6             # ... for windows this long at most; longer ones replay (see "Long verify windows")

@@ -17,6 +17,8 @@ class _Recorder:
     "Stands in for one decoder layer: calls it and keeps its output."
     def __init__(self, layer, recorded, index): self.layer, self.recorded, self.index = layer, recorded, index
     def __getattr__(self, name): return getattr(self.layer, name)   # the model may read a layer's attributes (`use_sliding`)
+    @property
+    def __class__(self): return type(self.layer)   # ... or its class (OLMo-Hybrid picks each layer's mask by `isinstance`)
     def __call__(self, *args, **kwargs):
         h = self.layer(*args, **kwargs)
         if not isinstance(h, mx.array):
@@ -90,15 +92,18 @@ def arch_name(model)->str:
 _PROBED = {}   # id(model) -> (a weak reference to it, the layer sets that passed)
 
 def probe_tap(model, layers):
-    "Raise `ValueError` naming the architecture unless a one-token forward of `model` can be tapped at `layers` (run once per model and layers)."
+    "Raise `ValueError` naming the architecture unless a three-token forward of `model` can be tapped at `layers`, with the same logits as untapped (run once per model and layers)."
     from mlx_lm.models.cache import make_prompt_cache
     layers = check_tappable(model, layers)
     ref, passed = _PROBED.get(id(model), (None, frozenset()))
     if ref is not None and ref() is model and tuple(layers) in passed: return
+    x = mx.array([[0, 1, 2]])
     try:
-        with Tap(model, layers) as tap: model(mx.array([[0]]), cache=make_prompt_cache(model))
+        with Tap(model, layers) as tap: tapped = model(x, cache=make_prompt_cache(model))
     except (TypeError, AttributeError, ValueError) as e:
         raise ValueError(f"cannot tap {arch_name(model)} at layers {layers} ({type(e).__name__}: {e})") from e
     tap.take()
+    if not mx.array_equal(tapped, model(x, cache=make_prompt_cache(model))):
+        raise ValueError(f"cannot tap {arch_name(model)} at layers {layers}: tapped, its forward gives other logits (the model treats a tapped layer differently)")
     if ref is None or ref() is not model: passed = frozenset()   # a dead model's id, reused
     _PROBED[id(model)] = (weakref.ref(model), passed | {tuple(layers)})

@@ -20,11 +20,11 @@ SLIDING = {   # each architecture's own keys, on top of the shared tiny shape (a
     "gemma4_text": dict(sliding_window_pattern=2, global_head_dim=16, num_kv_shared_layers=2, hidden_size_per_layer_input=0),
 }
 FULL = {"qwen3": dict(rope_theta=1e4, max_position_embeddings=512)}
-HYBRID = ["qwen3_5", "qwen3_next", "lfm2", "nemotron_h", "mamba2", "falcon_h1", "granitemoehybrid", "recurrent_gemma", "mamba", "jamba", "rwkv7", "kimi_linear"]
+HYBRID = ["qwen3_5", "qwen3_next", "lfm2", "nemotron_h", "mamba2", "falcon_h1", "granitemoehybrid", "recurrent_gemma", "mamba", "jamba", "rwkv7", "kimi_linear", "plamo2", "lfm2_moe", "olmo_hybrid", "bailing_moe_linear", "gear"]
 ARCHS = [*SLIDING, *FULL, *HYBRID]
 # the sources that read the target, where they can (nbs/05d_early_exit.ipynb, nbs/05e_head.ipynb); the rest refuse at `check`
-EARLY_EXIT = {"llama", "qwen3", "gemma3_text", "gpt_oss", "cohere2", "qwen3_5", "qwen3_next", "granitemoehybrid", "kimi_linear"}
-HEAD = {"llama", "qwen3", "gemma3_text", "gpt_oss", "cohere2", "qwen3_5", "qwen3_next", "granitemoehybrid", "kimi_linear"}   # and EAGLE-3, DFlash (nbs/05m_eagle3.ipynb, 05q_dflash.ipynb)
+EARLY_EXIT = {"llama", "qwen3", "gemma3_text", "gpt_oss", "cohere2", "qwen3_5", "qwen3_next", "granitemoehybrid", "kimi_linear", "gear", "olmo_hybrid"}
+HEAD = {"llama", "qwen3", "gemma3_text", "gpt_oss", "cohere2", "qwen3_5", "qwen3_next", "granitemoehybrid", "kimi_linear", "gear", "olmo_hybrid"}   # and EAGLE-3, DFlash (nbs/05m_eagle3.ipynb, 05q_dflash.ipynb)
 
 def windowed(arch:str)->bool: return arch in SLIDING or arch == "recurrent_gemma"
 
@@ -80,7 +80,8 @@ def test_refusals(arch):
     "Early exit, the head, EAGLE-3 and DFlash (alone or behind prompt lookup) refuse, at `check`, a target whose layers they cannot read, naming its architecture."
     target, llama = models(arch, 8)[0], models("llama", 8)[0]
     head, eagle = random_head(llama, [0, 1], hidden_size=32), random_eagle3(llama, [1, 2])
-    dflash = random_dflash(target, [0, 1], block_size=8)   # sized for the target: refused for how its layers are built, not for its sizes
+    sized = target if hasattr(target, "args") or hasattr(getattr(target, "language_model", None), "args") else llama   # PLaMo 2 keeps `config`
+    dflash = random_dflash(sized, [0, 1], block_size=8)   # sized for the target: refused for how its layers are built, not for its sizes
     kinds = [k for k, ok in (("early-exit", arch in EARLY_EXIT), ("head", arch in HEAD), ("eagle3", arch in HEAD), ("dflash", arch in HEAD)) if not ok]
     for kind in kinds + [k + "+lookup" for k in kinds]:
         with pytest.raises(ValueError, match=arch): make_provider(kind, target=target, **KINDS[kind].pick(exit_layer=1, draft_head=head,
@@ -131,7 +132,7 @@ def batched_equals_alone(target, provs:list, seed:int):
         assert [key(r) for r in batched] == [key(r) for r in alone], sampler
 
 BATCHED_HYBRID = ["qwen3_5", "qwen3_next", "lfm2", "mamba2", "granitemoehybrid", "nemotron_h", "recurrent_gemma", "falcon_h1",
-                  "mamba", "jamba", "rwkv7", "kimi_linear"]   # recurrent mixers batched rounds capture per row (nbs/04e_ragged_state.ipynb)
+                  "mamba", "jamba", "rwkv7", "kimi_linear", "plamo2", "lfm2_moe", "olmo_hybrid", "bailing_moe_linear", "gear"]   # recurrent mixers batched rounds capture per row (nbs/04e_ragged_state.ipynb)
 
 @pytest.mark.parametrize("arch", BATCHED_HYBRID)
 def test_batched_recurrent(arch):
@@ -145,11 +146,11 @@ def test_batched_recurrent(arch):
     batched_equals_alone(target, [two, NgramProvider(), two, None, NgramProvider(), two], BATCHED_HYBRID.index(arch))
 
 def test_batched_recurrent_refused():
-    "A recurrent mixer batched rounds do not hold per row (PLaMo 2's, whose padding is not checked here) is refused up front, naming the layer."
+    "A layer whose recurrent state batched rounds cannot hold per row (Baichuan-M1's attention, keeping state beside its KV cache) is refused up front, naming it."
     from specnb.batch import check_batchable
-    cfg = dict(model_type="plamo2", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, hidden_size_per_head=16, mamba_d_state=16, mamba_d_conv=4, mamba_num_heads=4, mamba_step=2)
-    with pytest.raises(ValueError, match="plamo2.Mamba"): check_batchable(model_from_config(cfg))
+    cfg = dict(model_type="baichuan_m1", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, rope_theta=1e4, sliding_window=8, sliding_window_layers=[0], conv_window=2, rms_norm_eps=1e-6)
+    with pytest.raises(ValueError, match="baichuan_m1.Attention"): check_batchable(model_from_config(cfg))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(EARLY_EXIT))

@@ -67,7 +67,7 @@ class EarlyExitProvider:
     def check(self, model):
         "Raise `ValueError`, naming the architecture and the reason, unless `model` can exit early at `exit_layer` (call at start-up)."
         arch, inner, L = arch_name(model), getattr(model, "model", None), self.exit_layer
-        if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
+        if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")) or not isinstance(inner.layers, list):   # PLaMo 2: a module of layers
             raise ValueError(f"early exit cannot cut {arch} short: it needs the decoder at model.model with embed_tokens, layers and a final norm "
                              f"(mlx-lm's llama-family layout), and {type(model).__module__} has no such structure")
         n = len(inner.layers)
