@@ -19,21 +19,29 @@ from .ragged import RaggedKVCache, RaggedRotatingKVCache
 # %% ../nbs/04e_ragged_state.ipynb #d89faeb3
 class RaggedStateCache(RecurrentCache):
     "One recurrent layer's conv and SSM state for a batch of sequences: row i after `ends[i]` tokens, each row rolled back on its own."
-    def __init__(self, size:int): # state arrays, as `ArraysCache(size)`: 2 for conv + recurrent state
+    def __init__(self,
+                 size:int,              # state arrays, as `ArraysCache(size)`: 2 for conv + recurrent state
+                 history:bool=False,    # keep earlier windows too, so a row can be trimmed back across windows (a draft model's rows)
+                ):
         ArraysCache.__init__(self, size)
         self.ends, self.starts = [], []   # tokens each row holds; where its last window began (it trims back that far at most)
         self.before = self.window = None  # every row's state before the last window, and after each of its positions (row i, position j: i*S+j)
         self.S, self.lost, self._depth, self._captured = 0, False, 0, False
+        self.history, self.past = history, []   # with `history`: this round's earlier windows `(starts, before, window, S)`, oldest first
 
     @property
     def offset(self)->mx.array: return mx.array(self.ends)
     def size(self)->int: return max(self.ends, default=0)
     def empty(self)->bool: return self.window is None and all(a is None for a in self.cache)
-    def reserve(self, n:int): "A window of any width keeps every position's state: nothing to widen."
-    def trimmable(self, i:int)->int: return self.ends[i] - self.starts[i]
+    def reserve(self, n:int):
+        "A round begins (a batch reserves before each): a window keeps every position's state, so nothing to widen; with `history`, earlier rounds are let go."
+        if self.history: self._settle()
+    def trimmable(self, i:int)->int: return self.ends[i] - (self.past[0][0] if self.past else self.starts)[i]
     def __setitem__(self, idx, value): self.cache[idx] = value   # only its watched mixers write it, inside `capture_window`
     @property
-    def nbytes(self)->int: return sum(a.nbytes for a in self.cache + (self.window or []) + (self.before or []) if a is not None)
+    def nbytes(self)->int:
+        held = self.cache + (self.window or []) + (self.before or []) + [a for _, b, w, _ in self.past for a in b + w]
+        return sum(a.nbytes for a in held if a is not None)
     def __repr__(self): return f"RaggedStateCache(ends={self.ends}, trimmable={[self.trimmable(i) for i in range(len(self.ends))]})"
 
 # %% ../nbs/04e_ragged_state.ipynb #75e11073
@@ -41,15 +49,47 @@ def _or_zeros(a:mx.array|None, like:mx.array, b:int)->mx.array:
     "`a`, or `b` rows of zeros shaped like a row of `like` (mlx-lm's mixers read a missing state as zeros)."
     return mx.zeros((b,) + like.shape[1:], like.dtype) if a is None else a
 
+def _row_at(windows:list, i:int, e:int, B:int)->int:
+    "Where row `i`'s state after `e` tokens lies in `windows` laid end to end, each as its B states before and its B·S after each position: the newest window that holds it."
+    at = sum(B + B * S for *_, S in windows)
+    for starts, _, _, S in reversed(windows):
+        at -= B + B * S
+        if starts[i] == e: return at + i
+        if starts[i] < e <= starts[i] + S: return at + B + i * S + e - starts[i] - 1
+    raise ValueError(f"row {i}'s state after {e} tokens is no longer held")
+
+@patch
+def _pick(self:RaggedStateCache, windows:list)->list:
+    "Each row's state at its own end, from the newest of `windows` that holds it (the state before a window for a row trimmed to its start)."
+    B = len(self.ends)
+    idx = mx.array([_row_at(windows, i, e, B) for i, e in enumerate(self.ends)])
+    def flat(k:int):
+        like = next((a for _, b, w, _ in windows for a in (w[k], b[k]) if a is not None), None)
+        if like is None: return None
+        return mx.take(mx.concatenate([a for _, b, w, S in windows for a in (_or_zeros(b[k], like, B), _or_zeros(w[k], like, B * S))]), idx, axis=0)
+    return [flat(k) for k in range(len(self.cache))]
+
+@patch
+def _windows(self:RaggedStateCache)->list:
+    "The windows a row's state can still be picked from: the earlier ones kept (`history`), then the last."
+    return self.past + [(self.starts, self.before, self.window, self.S)]
+
 @patch
 def _settle(self:RaggedStateCache):
-    "Pick each row's state at its own end from the last window's (the state before it for a row trimmed to its start); the history ends."
+    "Pick each row's state at its own end; the history ends (a row can no longer be trimmed)."
     if self.window is None: return
-    B, S = len(self.ends), self.S
-    idx = mx.array([i if e == s else B + i * S + e - s - 1 for i, (s, e) in enumerate(zip(self.starts, self.ends))])
-    self.cache = [None if w is None else mx.take(mx.concatenate([_or_zeros(b, w, B), w]), idx, axis=0) for b, w in zip(self.before, self.window)]
+    self.cache = self._pick(self._windows())
     self.before = self.window = None
-    self.starts = list(self.ends)
+    self.starts, self.past = list(self.ends), []
+
+@patch
+def _advance(self:RaggedStateCache):
+    "Before a new window: each row's state at its own end; with `history`, the round's earlier windows kept (a row may be trimmed back into them)."
+    if self.window is None or not self.history: return self._settle()
+    windows = self._windows()
+    self.cache = self._pick(windows)
+    self.before = self.window = None
+    self.starts, self.past = list(self.ends), windows
 
 # %% ../nbs/04e_ragged_state.ipynb #3881e324
 @patch
@@ -85,7 +125,7 @@ def _copies(self:RaggedStateCache, module, call, bound:dict, x:mx.array)->tuple:
 @patch
 def capture_window(self:RaggedStateCache, module, call, bound:dict, x:mx.array)->mx.array:
     "Every row's state after each of its positions: S copies of the window in one forward, or each prefix in turn (a `PREFIXED` layer)."
-    self._settle()
+    self._advance()
     S = x.shape[1]
     self.before = list(self.cache)
     prefixed = layer_name(module) in PREFIXED
@@ -163,14 +203,16 @@ class RaggedCacheList(CacheList):
     def nbytes(self)->int: return sum(c.nbytes for c in self.caches)
     def __repr__(self): return f"RaggedCacheList({', '.join(map(repr, self.caches))})"
 
-def _ragged(c):
+def _ragged(c, history:bool=False):
     "The batch's cache for one of mlx-lm's: a ring, a recurrent state, the caches of a `CacheList`, or full attention."
-    if isinstance(c, CacheList): return RaggedCacheList(*map(_ragged, c.caches))
-    if isinstance(c, ArraysCache): return RaggedStateCache(len(c.cache))
+    if isinstance(c, CacheList): return RaggedCacheList(*(_ragged(x, history) for x in c.caches))
+    if isinstance(c, ArraysCache): return RaggedStateCache(len(c.cache), history)
     return RaggedRotatingKVCache(c.max_size) if isinstance(c, RotatingKVCache) else RaggedKVCache()
 
-def batch_cache(model)->list:
+def batch_cache(model,
+                history:bool=False, # recurrent rows trimmable across windows (a draft model's: it drafts a token per forward)
+               )->list:
     "The batch's caches for `model`: 04c's ragged attention caches, a `RaggedStateCache` for each recurrent layer (its mixers watched)."
     plain = make_prompt_cache(model)
     if any(isinstance(c, ArraysCache) for c in leaves(plain)): watch_mixers(model)
-    return [_ragged(c) for c in plain]
+    return [_ragged(c, history) for c in plain]
