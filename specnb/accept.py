@@ -8,7 +8,7 @@ Docs: https://specnb.github.io/specnb/accept.html.md"""
 __all__ = ['sample_positions', 'processed_logits', 'sample_one', 'Sampling', 'RandomStream', 'accept_walk', 'position_logprobs']
 
 # %% ../nbs/03_accept.ipynb #6dd89f6a
-import os
+import math, os
 from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p, apply_min_p, apply_top_k, categorical_sampling
@@ -43,38 +43,55 @@ def sample_one(logits:mx.array,   # (1, V) logits of one position
 # %% ../nbs/03_accept.ipynb #526f2198
 @dataclass(frozen=True)
 class Sampling:
-    "mlx-lm's sampler (temperature, top-p, min-p, top-k) as a value: call it to sample, or ask for the distribution it samples from."
+    "mlx-lm's sampler (temperature, top-p, min-p, XTC, top-k) as a value: call it to sample, or ask for the distribution it samples from."
     temp: float = 1.0
     top_p: float = 0.0          # nucleus: keep the smallest set of tokens with this much mass (0 or 1: off)
     min_p: float = 0.0          # keep tokens with at least this fraction of the top token's probability (0: off)
     top_k: int = 0              # keep the k most likely tokens (0, or at least the vocabulary: off)
     min_tokens_to_keep: int = 1
+    xtc_probability: float = 0.0   # XTC: how often a position drops its top choices (0: off)
+    xtc_threshold: float = 0.1     # … every token above this probability but the least likely of them
+    xtc_special_tokens: tuple = () # … never these (mlx_lm.server: the newline and EOS ids)
 
     def __post_init__(self):
         if self.temp < 0: raise ValueError(f"temp must be >= 0, got {self.temp}")
         if not 0 <= self.top_p <= 1: raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1: raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < 0: raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.xtc_probability <= 1: raise ValueError(f"xtc_probability must be in [0, 1], got {self.xtc_probability}")
+        if not 0 <= self.xtc_threshold <= 0.5: raise ValueError(f"xtc_threshold must be in [0, 0.5], got {self.xtc_threshold}")
 
     @property
     def greedy(self)->bool: return self.temp < 2.0 ** -126   # float32's smallest normal: below it 1/temp overflows; the limit is argmax
 
-    def _filter(self, logprobs):   # mlx-lm's make_sampler order: top-p, min-p, top-k
+    def _filter(self, logprobs, xtc=False):   # mlx-lm's make_sampler order: top-p, min-p, XTC, top-k; xtc: the rows XTC cuts
         if 0 < self.top_p < 1: logprobs = apply_top_p(logprobs, self.top_p)
         if self.min_p != 0: logprobs = apply_min_p(logprobs, self.min_p, self.min_tokens_to_keep)
+        if xtc is not False: logprobs = mx.where(mx.logical_and(xtc, self._xtc_cut(logprobs)), -mx.inf, logprobs)
         if 0 < self.top_k < logprobs.shape[-1]: logprobs = apply_top_k(logprobs, self.top_k)   # mlx-lm raises from k = V on
         return logprobs
 
+    def _xtc_cut(self, logprobs):
+        "What XTC drops (mlx-lm's `apply_xtc`): every token above the threshold but the least likely of them; the special tokens never."
+        probs = mx.softmax(logprobs, -1)
+        cut = probs > mx.where(probs > self.xtc_threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+        if self.xtc_special_tokens: cut[..., list(self.xtc_special_tokens)] = False
+        return cut
+
     def __call__(self, logprobs:mx.array)->mx.array:
-        "Sample token ids from `(P, V)` log-probabilities, as mlx-lm's `make_sampler` would."
+        "Sample token ids from `(P, V)` log-probabilities, as mlx-lm's `make_sampler` would (XTC's coin drawn for each row)."
         if self.greedy: return mx.argmax(logprobs, axis=-1)
-        return categorical_sampling(self._filter(logprobs), self.temp)
+        xtc = self.xtc_probability > 0 and mx.random.uniform(shape=logprobs.shape[:-1] + (1,)) <= self.xtc_probability
+        return categorical_sampling(self._filter(logprobs, xtc), self.temp)
 
     def logprobs(self, logprobs:mx.array)->mx.array:
-        "The log-distribution `__call__` samples from (at temperature 0, or one too small for float32: all mass on the argmax)."
+        "The log-distribution `__call__` samples from (at temperature 0, or one too small for float32: all mass on the argmax); with XTC, the mixture of its two branches."
         if self.greedy: return mx.where(mx.arange(logprobs.shape[-1]) == mx.argmax(logprobs, -1, keepdims=True), 0.0, -mx.inf)
-        x = self._filter(logprobs) / self.temp
-        return x - mx.logsumexp(x, axis=-1, keepdims=True)
+        def dist(x): return x / self.temp - mx.logsumexp(x / self.temp, axis=-1, keepdims=True)
+        kept = dist(self._filter(logprobs))
+        if self.xtc_probability == 0: return kept
+        cut = dist(self._filter(logprobs, True)) + math.log(self.xtc_probability)
+        return cut if self.xtc_probability == 1 else mx.logaddexp(kept + math.log1p(-self.xtc_probability), cut)
 
 # %% ../nbs/03_accept.ipynb #b58fe556
 def _seed_of(key:mx.array)->int:

@@ -200,6 +200,8 @@ SAMPLING = {
     "stream_options": (maybe(st.fixed_dictionaries({}, optional={"include_usage": st.booleans()})), JSON),
     "n": (st.just(1), st.integers() | JSON),
     "user": (maybe(TEXT), JSON),
+    "xtc_probability": (st.floats(0, 1), st.floats() | JSON),
+    "xtc_threshold": (st.floats(0, 0.5), st.floats() | JSON),
 }
 FIELDS = {
     C: {"prompt": (TEXT | TOKEN_IDS | st.lists(TEXT, min_size=1, max_size=1), st.lists(st.integers(), max_size=4) | st.lists(TEXT, max_size=3) | JSON),

@@ -230,14 +230,14 @@ def test_bad_input_through_the_client_and_server_survives(client, url):
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=3).usage.completion_tokens == 3
 
 HOSTILE = [{"seed": -1}, {"seed": 2**64}, {"top_k": 2**64, "temperature": 1}, {"top_k": 4096, "temperature": 1}, {"logit_bias": {"²": 1}},
-           {"repetition_penalty": 5e-324}, {"temperature": 1e-40, "response_format": {"type": "json_object"}}, {"xtc_threshold": 0.1},
+           {"repetition_penalty": 5e-324}, {"temperature": 1e-40, "response_format": {"type": "json_object"}}, {"xtc_threshold": 0.9},
            {"min_tokens": 4, "ignore_eos": True}]
 
 def test_every_field_is_honoured_or_refused(client, url):
     """Issue #30: a field the server does not read is a 400 naming it (it was ignored); `min_tokens` and `ignore_eos` are honoured under
     speculation (EOS made the likeliest token: it comes exactly at `min_tokens`, or never with `ignore_eos`); unhonourable values are refused."""
     EOS_FIRST = {"logit_bias": {"0": 100}}   # the bundled EOS id, made certain
-    for field, value in (("xtc_probability", 0.5), ("adapters", "lora"), ("functions", []), ("store", True), ("best_of", 3), ("draft_model", "x"),
+    for field, value in (("typical_p", 0.5), ("adapters", "lora"), ("functions", []), ("store", True), ("best_of", 3), ("draft_model", "x"),
                          ("prediction", {"type": "audio", "content": "x"})):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt="x = ", max_tokens=4, extra_body={field: value})
@@ -546,7 +546,7 @@ def _wait(cond, what:str, limit:float=30):
         time.sleep(0.05)
 
 def test_memory_admission(long_context):
-    "Never fits: 400 at once. Fits alone but not beside the running one: waits in the queue, served once the first is done."
+    "Never fits (also as n = 2 choices of a request that fits once): 400 at once. Fits alone but not beside the running one: waits in the queue, served once the first is done."
     url, c, name, start = long_context
     mem = start["memory"]
     room, per = mem["budget"] - mem["resident"], 2048
@@ -555,6 +555,9 @@ def test_memory_admission(long_context):
         c.completions.create(model=name, prompt=[5] * 8, max_tokens=32_000)
     assert _error(e)["code"] == "memory_budget_exceeded" and "48.0 MiB" in _error(e)["message"], _error(e)
     big, small = int(room * 0.6) // per, int(room * 0.5) // per   # each fits alone; together they do not
+    with pytest.raises(openai.BadRequestError) as e:   # n choices are n rows: one fits, two never do
+        c.completions.create(model=name, prompt=[5] * 8, max_tokens=big, n=2)
+    assert _error(e)["code"] == "memory_budget_exceeded" and "n = 2 choices" in _error(e)["message"], _error(e)
     a = c.completions.create(model=name, prompt=[5] * 8, max_tokens=big, stream=True, extra_body={"logit_bias": NO_EOS})
     for _, _ in zip(range(3), a): pass
     held = httpx.get(url + "/health").json()

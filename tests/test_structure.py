@@ -15,6 +15,8 @@ FOREIGN_PRIVATE = {
                                             "`from_state` defaults mlx-lm's cache functions call); there is no public one",
     ("mlx_lm.utils", "_get_classes"):       "builds a model class from a config dict without weights (the default of "
                                             "`load_model`'s `get_model_classes`); there is no public one",
+    ("xgrammar.testing", "_json_schema_to_ebnf"): "xgrammar's JSON-schema converter with a style (Gemma 4's) and no free whitespace; "
+                                            "its structural tag allows whitespace mlx-lm's gemma4 parser cannot read (08ca)",
 }
 
 # Files allowed to break a rule for now, with why. The lists only shrink: an entry whose file is gone or now keeps the

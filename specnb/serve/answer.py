@@ -7,14 +7,19 @@ Docs: https://specnb.github.io/specnb/answer.html.md"""
 # %% auto #0
 __all__ = ['QWEN_STYLE_TEMPLATE', 'GEMMA_STYLE_TEMPLATE', 'STYLES', 'TOOL_FORMATS', 'WHITESPACE', 'chat_style_folder',
            'qwen_style_folder', 'initial_state', 'Turn', 'merge_delta', 'parser_name', 'needs_grammar',
-           'reasoning_mode', 'tool_grammar', 'chat_logprobs', 'completion_logprobs', 'StopText', 'TextSink']
+           'reasoning_mode', 'tight_gemma', 'bare_keys', 'tool_tag', 'tool_grammar', 'chat_logprobs',
+           'completion_logprobs', 'StopText', 'TextSink']
 
 # %% ../../nbs/08ca_answer.ipynb #e6153c7c
-import json, uuid
+import json, re, uuid
 from functools import lru_cache
 from pathlib import Path
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
+from pydantic import BaseModel
 from xgrammar.builtin_structural_tag import get_model_structural_tag
+from xgrammar.structural_tag import GrammarFormat, JSONSchemaFormat, SequenceFormat, StructuralTag, TagFormat
+try: from xgrammar.testing import _json_schema_to_ebnf   # private (test_structure.FOREIGN_PRIVATE): a later xgrammar may not have it
+except ImportError: _json_schema_to_ebnf = None
 from fastcore.basics import patch
 from ..detok import DecodedText
 from ..grammar import from_structural_tag
@@ -172,7 +177,7 @@ def _end_call(self:Turn, closed:bool)->dict:
     return {"tool_calls": out}
 
 # %% ../../nbs/08ca_answer.ipynb #6eddb9de
-TOOL_FORMATS = {"json_tools": "qwen_3"}   # mlx-lm's tool parser → xgrammar's format: the pairs checked to round-trip (below)
+TOOL_FORMATS = {"json_tools": "qwen_3", "gemma4": "gemma_4"}   # mlx-lm's tool parser → xgrammar's format: the pairs checked to round-trip (below)
 
 WHITESPACE = 4   # spaces and newlines in a row inside arguments: room for indentation, none for a small model to pad forever
 
@@ -192,6 +197,54 @@ def reasoning_mode(tokenizer, initial:str, template_kwargs:dict|None)->str:
     if not getattr(tokenizer, "has_thinking", False) or (template_kwargs or {}).get("enable_thinking") is False: return "disabled"
     return "auto"
 
+# %% ../../nbs/08ca_answer.ipynb #9c4a1f3e
+def _map_formats(node, f):
+    "xgrammar's format tree `node` with `f` applied to each format in it, innermost first."
+    if isinstance(node, list): return [_map_formats(v, f) for v in node]
+    if not isinstance(node, BaseModel): return node
+    return f(node.model_copy(update={k: _map_formats(v, f) for k, v in node if isinstance(v, (BaseModel, list))}))
+
+_ONLY_QUOTE = 'excludes=("<|\\"|>")'   # xgrammar's Gemma string content, as its converter writes it: only the delimiter left out
+
+def tight_gemma(fmt):
+    "A Gemma-style arguments format as mlx-lm's `gemma4` parser reads it back: xgrammar's own grammar of the schema without free whitespace, the format's excluded markers still kept out of strings; any other format as it is."
+    if not (isinstance(fmt, JSONSchemaFormat) and fmt.style == "gemma"): return fmt
+    if _json_schema_to_ebnf is None: raise ValueError("this xgrammar has no xgrammar.testing._json_schema_to_ebnf: a Gemma 4 call cannot be forced under a grammar its parser reads")
+    schema = fmt.json_schema if isinstance(fmt.json_schema, dict) else {"type": "object"}   # no parameters: still `{…}`, all the parser reads
+    ebnf = _json_schema_to_ebnf(schema, any_whitespace=False, separators=(",", ":"), json_format="gemma", any_order=fmt.any_order)
+    if "gemma_string_content" in ebnf and ebnf.count(_ONLY_QUOTE) != 1: raise RuntimeError("xgrammar's Gemma string rule changed: update tight_gemma")
+    excludes = ", ".join(json.dumps(e) for e in ['<|"|>', *fmt.excludes])
+    return GrammarFormat(grammar=ebnf.replace(_ONLY_QUOTE, f"excludes=({excludes})"))
+
+def bare_keys(schema, function:str):
+    "Gemma 4 writes keys unquoted and mlx-lm's `gemma4` parser reads a key as word characters only: a property named otherwise is a `ValueError` naming it."
+    if isinstance(schema, list):
+        for s in schema: bare_keys(s, function)
+    if not isinstance(schema, dict): return
+    props = schema.get("properties")
+    for k in props if isinstance(props, dict) else ():
+        if not re.fullmatch(r"\w+", k):
+            raise ValueError(f"function {function!r}: property {k!r} cannot be written in Gemma 4's call syntax (unquoted keys: letters, digits, _)")
+    for v in schema.values(): bare_keys(v, function)
+
+def _inside_reasoning(tag:StructuralTag, think_start:str)->StructuralTag:
+    "The tag for a prompt that opened the reasoning block itself: the block's opening marker left out (xgrammar's Gemma 4 tag asks for it again)."
+    f = tag.format
+    if isinstance(f, SequenceFormat) and isinstance(f.elements[0], TagFormat) and f.elements[0].begin.startswith(think_start):
+        f = f.model_copy(update={"elements": [f.elements[0].model_copy(update={"begin": ""}), *f.elements[1:]]})
+    return tag.model_copy(update={"format": f})
+
+def tool_tag(fmt:str, tools:list, tool_choice, parallel_tool_calls, reasoning:str,
+             think_start:str|None=None,  # the tokenizer's marker that opens reasoning (a prompt in 'enabled' mode opened it)
+             token_markers:bool=False)->StructuralTag:
+    "xgrammar's structural tag of calls in format `fmt` (`get_model_structural_tag`), written so that mlx-lm's parser reads every call it allows."
+    if fmt == "gemma_4":
+        for t in tools: bare_keys(t["function"].get("parameters"), t["function"]["name"])
+    tag = get_model_structural_tag(fmt, tools=tools, tool_choice=tool_choice or "auto", reasoning=reasoning,
+                                   parallel_tool_calls=parallel_tool_calls is not False, max_whitespace_cnt=WHITESPACE, token_markers=token_markers)
+    if reasoning == "enabled" and think_start: tag = _inside_reasoning(tag, think_start)
+    return _map_formats(tag, tight_gemma)
+
 # %% ../../nbs/08ca_answer.ipynb #3616f854
 def _single_tokens(tokenizer, names)->bool:
     return all(len(tokenizer.encode(n, add_special_tokens=False)) == 1 for n in names)
@@ -205,9 +258,8 @@ def tool_grammar(tokenizer, tools:list, tool_choice, parallel_tool_calls, reason
                        f"format ({name}); xgrammar writes one for {', '.join(sorted(TOOL_FORMATS))} only", "tool_choice")
     markers = [m for m in (tokenizer.tool_call_start, tokenizer.tool_call_end, getattr(tokenizer, "think_start", None),
                            getattr(tokenizer, "think_end", None)) if m]
-    tag = get_model_structural_tag(fmt, tools=tools, tool_choice=tool_choice or "auto", reasoning=reasoning,
-                                   parallel_tool_calls=parallel_tool_calls is not False, max_whitespace_cnt=WHITESPACE,
-                                   token_markers=fmt in ("qwen_3", "qwen_3_5", "qwen_3_coder", "glm_4_7") and _single_tokens(tokenizer, markers))
+    tag = tool_tag(fmt, tools, tool_choice, parallel_tool_calls, reasoning, getattr(tokenizer, "think_start", None),
+                   token_markers=fmt in ("qwen_3", "qwen_3_5", "qwen_3_coder", "glm_4_7") and _single_tokens(tokenizer, markers))
     return from_structural_tag(tokenizer, tag, [t["function"].get("parameters") for t in tools])
 
 # %% ../../nbs/08ca_answer.ipynb #b768b7a8

@@ -126,6 +126,8 @@ class BaseRequest(_Body):
     min_tokens: _Int(ge=0) = 0                                    # vLLM's and mlx-lm's extensions, honoured
     ignore_eos: bool = False
     repetition_context_size: _Int(ge=1, le=4096) = 20
+    xtc_probability: float = Field(0.0, ge=0, le=1)               # mlx-lm's XTC sampler, honoured under both acceptance rules
+    xtc_threshold: float = Field(0.1, ge=0, le=0.5)               # (mlx-lm's apply_xtc refuses a threshold past 0.5)
     draft_model: str | None = None                                # mlx_lm.server's per-request draft: refused (the server's own drafts)
     prediction: Prediction | None = None                          # OpenAI's predicted output: drafted from, first
 

@@ -7,7 +7,8 @@ Docs: https://specnb.github.io/specnb/requests.html.md"""
 # %% auto #0
 __all__ = ['Limits', 'Choices', 'Job', 'least', 'count_past', 'check_context', 'encode_within', 'chat_prompt',
            'completion_prompt', 'asked_tokens', 'refuse_unhonoured', 'min_tokens_processor', 'predicted_tokens',
-           'choice_seed', 'asked_logprobs', 'make_job', 'make_grammar', 'tool_dicts', 'turn_grammar', 'check_model']
+           'choice_seed', 'xtc_spared', 'asked_logprobs', 'make_job', 'make_grammar', 'tool_dicts', 'turn_grammar',
+           'check_model']
 
 # %% ../../nbs/08d_requests.ipynb #3f331d76
 import asyncio, json, re, threading, time
@@ -225,6 +226,10 @@ def choice_seed(seed:int|None, choice:int)->int|None:
     if seed is None or choice == 0: return seed
     return (seed * 0x9E3779B97F4A7C15 + choice * 0xBF58476D1CE4E5B9) % 2**64
 
+def xtc_spared(tokenizer)->tuple:
+    "The tokens XTC never drops, as mlx_lm.server picks them: the newline's ids and the end-of-sequence ids."
+    return tuple(tokenizer.encode("\n") + list(tokenizer.eos_token_ids))
+
 def asked_logprobs(req)->int|None:
     "How many alternatives per token the request wants with its logprobs (0: the token's own only); None: no logprobs."
     if isinstance(req.logprobs, bool) or req.logprobs is None:   # chat: logprobs true, and top_logprobs
@@ -259,7 +264,8 @@ def make_job(limits, req:BaseRequest, endpoint:str, prompt:list, grammar,
     size = req.repetition_context_size   # mlx_lm.server's one window, for the three penalties
     procs = make_logits_processors(bias, req.repetition_penalty, size, req.presence_penalty, size, req.frequency_penalty, size)
     if req.min_tokens and not req.ignore_eos: procs.append(min_tokens_processor(limits.tokenizer.eos_token_ids, len(prompt), req.min_tokens))
-    sampler = Sampling(temp=temp, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
+    sampler = Sampling(temp=temp, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k, xtc_probability=req.xtc_probability,
+                       xtc_threshold=req.xtc_threshold, xtc_special_tokens=xtc_spared(limits.tokenizer) if req.xtc_probability else ())
     if sampler.greedy: sampler = None   # greedy's fast path (also a temperature too small for float32)
     return Job(endpoint, prompt, max_tokens, sampler=sampler, acceptance=req.acceptance or limits.acceptance,
                logits_processors=procs or None, grammar=grammar, stop=stop, timeout=limits.request_timeout,
