@@ -207,7 +207,9 @@ def _map_formats(node, f):
 _ONLY_QUOTE = 'excludes=("<|\\"|>")'   # xgrammar's Gemma string content, as its converter writes it: only the delimiter left out
 
 def tight_gemma(fmt):
-    "A Gemma-style arguments format as mlx-lm's `gemma4` parser reads it back: xgrammar's own grammar of the schema without free whitespace, the format's excluded markers still kept out of strings; any other format as it is."
+    "A Gemma-style arguments format as mlx-lm's `gemma4` parser reads it back: xgrammar's own grammar of the schema without free whitespace, the format's excluded markers still kept out of strings; a function without parameters takes an object (OpenAI's arguments are one); any other format as it is."
+    if isinstance(fmt, JSONSchemaFormat) and not isinstance(fmt.json_schema, dict) and fmt.style != "gemma":   # `true`: any JSON value
+        return fmt.model_copy(update={"json_schema": {"type": "object"}})
     if not (isinstance(fmt, JSONSchemaFormat) and fmt.style == "gemma"): return fmt
     if _json_schema_to_ebnf is None: raise ValueError("this xgrammar has no xgrammar.testing._json_schema_to_ebnf: a Gemma 4 call cannot be forced under a grammar its parser reads")
     schema = fmt.json_schema if isinstance(fmt.json_schema, dict) else {"type": "object"}   # no parameters: still `{…}`, all the parser reads
