@@ -21,7 +21,7 @@ from .ragged_state import batch_cache
 from .rollback import leaves
 from .tap import Tap
 from .accept import RandomStream
-from .batch_sources import check_batchable, BatchedProvider, drafts_together, DraftGroup, draft_group
+from .batch_sources import check_batchable, BatchedProvider, drafts_together, group_of, DraftGroup, HeadGroup
 from .executor import SpecRequest, SpecResult, spec_generate, spec_options
 from .executor import open_request, read_prompt, propose_drafts, accept_drafts, emit_tokens, commit_round, close_request   # the phase API
 
@@ -37,7 +37,7 @@ class _Row:
     on_token: object = None    # called with each token id; returning False halts it
     first_plain: bool = False  # a one-token prompt: its first round is a plain step, as in `spec_generate`
     t1: float = 0.0            # when its decoding began
-    group: DraftGroup | None = None   # the draft group its source drafts in, if any
+    group: DraftGroup | HeadGroup | None = None   # the group its source drafts in, if any
     draft_row: tuple = ()      # `(slot, own caches)` of its source in that group
 
     @property
@@ -48,7 +48,7 @@ class _Row:
 class Batch:
     "Requests that advance together, one target forward per round; they join (`add`) and leave (finished, halted or `remove`d) between rounds."
     def __init__(self, model,
-                 draft_together:bool=True,      # two-model sources draft in one forward per step (False: each request on its own)
+                 draft_together:bool=True,      # sources that can (two-model, hidden-state) draft in one forward per step (False: each request on its own)
                  interleave_prefill:bool=False, # a new request reads one prefill chunk per round instead of its whole prompt in `add`
                 ):
         check_batchable(model)
@@ -129,11 +129,13 @@ def _draft_alone(w:_Row, n:int)->tuple:
     with w.rng: return propose_drafts(w.r, n)
 
 @patch
-def _group(self:Batch, w:_Row)->DraftGroup|None:
-    "The draft group `w`'s source drafts in (joining it at its first draft), or None: it drafts alone."
+def _group(self:Batch, w:_Row)->DraftGroup|HeadGroup|None:
+    "The group `w`'s source drafts in — its draft model's, its head's — joining it at its first draft; or None: it drafts alone."
     src = w.r.source
     if w.group is None and self.draft_together and drafts_together(src):
-        w.group = self.groups.setdefault(id(src.model), DraftGroup(src.model))
+        key, make = group_of(src)
+        if key not in self.groups: self.groups[key] = make()
+        w.group = self.groups[key]
         w.draft_row = w.group.join(src)
     return w.group
 
@@ -151,8 +153,8 @@ def _drafts(self:Batch)->list:
     for g, ws in grouped.values():
         ws.sort(key=lambda w: w.draft_row[0].index)
         ns = [w.budget() for w in ws]
-        drafts, failed = draft_group(g, ws, ns)
-        for w, d, n in zip(ws, drafts, ns): plans[id(w)] = d, n
+        drafts, failed = g.draft(ws, ns)
+        for w, d in zip(ws, drafts): plans[id(w)] = d, (d.size if isinstance(d, mx.array) else len(d))   # a head proposes none before it has read a row
         for j, e in failed.items(): self._fail(ws[j], e)
     return [plans[id(w)] for w in self.rows]
 
@@ -308,7 +310,7 @@ def spec_generate_batch(model,                   # the target: an mlx-lm model, 
                         seeds=None,              # an int per prompt (or None): each samples as `mx.random.seed(s)` then `spec_generate`
                         options=None,            # a dict of options per prompt, over `kwargs` (e.g. its own `num_draft_tokens`)
                         max_batch_size:int=8,    # requests in a round at once; the rest wait, and join as others finish
-                        draft_together:bool=True,# two-model sources draft in one forward per step
+                        draft_together:bool=True,# sources that can (two-model, hidden-state) draft in one forward per step
                         interleave_prefill:bool=False, # new requests read a prefill chunk per round, while the others go on
                         **kwargs)->list:
     "Generate for every prompt with batched rounds: one `SpecResult` per prompt, the one `spec_generate` gives it alone."
@@ -342,11 +344,12 @@ def result(self:Batch, id)->SpecResult:
 def batch_throughput(model, providers, prompts:list,
                      sizes=(1, 2, 4, 8),  # batch sizes to measure, each against the same requests one at a time
                      repeats:int=1,       # rounds of runs, interleaved (one at a time, then each size); the median run is kept
+                     draft_together:bool=True, # batched sources draft together where they can (False: each on its own)
                      **kwargs)->list:
     "Aggregate decode tokens/s of `prompts` one at a time (`spec_generate`), then batched at each of `sizes`: one dict per contender, median of `repeats`."
     providers = _per_prompt("providers", providers, len(prompts))
     runs = {"one at a time": lambda: [spec_generate(model, p, x, **kwargs) for p, x in zip(providers, prompts)],
-            **{b: lambda b=b: spec_generate_batch(model, providers, prompts, max_batch_size=b, **kwargs) for b in sizes}}
+            **{b: lambda b=b: spec_generate_batch(model, providers, prompts, max_batch_size=b, draft_together=draft_together, **kwargs) for b in sizes}}
     seen = {k: [] for k in runs}
     for _ in range(repeats):
         for k, f in runs.items():

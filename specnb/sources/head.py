@@ -159,19 +159,29 @@ class HeadSource:
         self.tokens = list(prompt_ids)[:-1]
         if ctx: self.cache = ctx[0]
 
-    def _read(self, rows, tokens):
-        "Append one head entry per kept target row (position i, paired with `tokens`' token at i + 1); returns the newest output."
+    def note(self, feed):
+        "The tokens of `feed` join the context the head pairs target rows with."
+        self.tokens += [int(t) for t in feed]
+
+    def unread(self, rows, tokens)->tuple:
+        "`(rows, ids)`: the target rows the head reads next — a saved context's newest row first — and the tokens after them (row i pairs with `tokens`' token at i + 1); `(None, None)`: none."
         if self.cache.row is not None:   # a saved context's newest row: its token is the first of these
             rows = self.cache.row if rows is None else mx.concatenate([self.cache.row, rows])
             self.cache.row = None
-        if rows is None or rows.shape[0] == 0: return self.last
+        if rows is None or rows.shape[0] == 0: return None, None
         m = rows.shape[0]
         if m > len(tokens): raise RuntimeError(f"{m} hidden rows but only {len(tokens)} tokens to pair them with")
-        x = self.head(self.head.fuse(rows)[None], self.embed(mx.array([tokens[-m:]], mx.uint32)), cache=self.cache,
+        return rows, tokens[-m:]
+
+    def _read(self, rows, tokens):
+        "Append one head entry per kept target row (`unread`); returns the newest output."
+        rows, ids = self.unread(rows, tokens)
+        if rows is None: return self.last
+        x = self.head(self.head.fuse(rows)[None], self.embed(mx.array([ids], mx.uint32)), cache=self.cache,
                       mask=create_attention_mask(rows[None], self.cache))
         return x[:, -1:]
 
-    def _check_lockstep(self):
+    def check_lockstep(self):
         "The head holds one entry per target position, except the context it never saw (a follow-up turn's cached prefix)."
         t = self.target.cache[0].offset
         if self.skipped is None: self.skipped = t - self.cache.offset
@@ -189,9 +199,9 @@ class HeadSource:
         return self.readout(self.newest[:, -1])
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
-        self.tokens += [int(t) for t in feed]
+        self.note(feed)
         self.last = self._read(anchor_hidden, self.tokens)
-        self._check_lockstep()
+        self.check_lockstep()
         self.out, self.logits = [], []
         if n == 0 or self.last is None: return []   # nothing read yet: a plain round
         start = self.cache.offset
