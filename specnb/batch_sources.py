@@ -22,8 +22,10 @@ from .sources.head import HeadSource
 
 # %% ../nbs/07g_batch_sources.ipynb #10f0d1b1
 def _batchable(model)->bool:
-    "Do batched rounds hold every layer of `model` (full attention, plain sliding windows)?"
-    return not any(_kind(c) for c in leaves(make_prompt_cache(model)))
+    "Do batched rounds hold every layer of `model` (`check_batchable` says nothing)?"
+    try: check_batchable(model)
+    except ValueError: return False
+    return True
 
 def _kind(c)->str|None:
     "What a cache says about its layer, in words; None for the layers batched rounds hold (full attention, a plain sliding window)."
@@ -83,7 +85,7 @@ def drafts_together(src)->bool:
 
 class DraftGroup:
     "The caches of one draft model for the requests whose sources draft together: one draft forward per step for all of them."
-    def __init__(self, model): self.model, self.cache, self.slots = model, batch_cache(model), []
+    def __init__(self, model): self.model, self.cache, self.slots = model, batch_cache(model, history=True), []   # a recurrent row gives back drafts of several forwards
 
     def join(self, src)->tuple:
         "Move the source's draft caches into a new row; the source now reads and trims them through views. Returns `(slot, own caches)`."

@@ -42,3 +42,20 @@ def test_windows_and_states_are_reserved_as_such():
     assert sliding.bytes(4000) - sliding.bytes(2000) <= 0.5 * (full.bytes(4000) - full.bytes(2000))
     assert hybrid.fixed == hybrid.state > 0 and len(hybrid.terms) == 2   # Gated DeltaNet state: constant; only its 2 attention layers grow
     assert hybrid.bytes(2000, 4) == hybrid.bytes(2000) + 5 * hybrid.state and sliding.state == full.state == 0
+
+def test_reserved_covers_a_recurrent_draft_group():
+    "A draft model with recurrent layers keeps its rows' windows of a round (04e's history): its reservation at twice the verify width covers its group's peak."
+    from specnb.models import perturbed
+    from specnb.sources.two_model import TwoModelProvider
+    model = MODELS["hybrid"]()
+    prov = TwoModelProvider(perturbed(model, 0.02))
+    _, draft = measure_footprints(model, prov)
+    lengths, max_tokens = [40, 90, 120, 160], 24
+    batch, peak = Batch(model), 0
+    for i, n in enumerate(lengths): batch.add([(5 * i + j) % 100 + 1 for j in range(n)], prov, id=i, max_tokens=max_tokens, num_draft_tokens=3)
+    while len(batch):
+        batch.step()
+        peak = max(peak, sum(c.nbytes for g in batch.groups.values() for c in g.cache))
+    batch.close()
+    reserved = [draft.bytes(n + max_tokens + 4, 8) for n in lengths]   # the Engine's estimate of the draft at γ 3
+    assert draft.state > 0 and 0 < peak <= held_by(reserved), (peak, held_by(reserved))

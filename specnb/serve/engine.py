@@ -147,7 +147,8 @@ class Engine:
         width = max(num_draft_tokens, 1) + 1
         n = n_prompt + max_tokens + width
         speculate = self.provider is not None and num_draft_tokens > 0
-        return self.footprints[0].bytes(n, width) + (self.footprints[1].bytes(n, width) if speculate else 0)
+        # a draft model's recurrent rows keep a round's windows: its feed's states and two per draft step (04e's `history`)
+        return self.footprints[0].bytes(n, width) + (self.footprints[1].bytes(n, 2 * width) if speculate else 0)
 
     def submit(self, *jobs:Job):
         "Queue a request's jobs (its `n` choices), all or none; 400 if together they could never fit in the memory budget, 503 when the queue is full or the server is stopping."
