@@ -39,6 +39,7 @@ class _Row:
     t1: float = 0.0            # when its decoding began
     group: DraftGroup | HeadGroup | None = None   # the group its source drafts in, if any
     draft_row: tuple = ()      # `(slot, own caches)` of its source in that group
+    alone: bool = False        # its source drafts alone for good (`drafts_together` said no: asked once, not every round)
 
     @property
     def plain(self)->bool: return self.r.source is None or self.first_plain
@@ -132,11 +133,13 @@ def _draft_alone(w:_Row, n:int)->tuple:
 def _group(self:Batch, w:_Row)->DraftGroup|HeadGroup|None:
     "The group `w`'s source drafts in — its draft model's, its head's — joining it at its first draft; or None: it drafts alone."
     src = w.r.source
-    if w.group is None and self.draft_together and drafts_together(src):
-        key, make = group_of(src)
-        if key not in self.groups: self.groups[key] = make()
-        w.group = self.groups[key]
-        w.draft_row = w.group.join(src)
+    if w.group is not None or w.alone or not self.draft_together: return w.group
+    w.alone = not drafts_together(src)   # the source's grammar, p_min and draft model: asked once
+    if w.alone: return None
+    key, make = group_of(src)
+    if key not in self.groups: self.groups[key] = make()
+    w.group = self.groups[key]
+    w.draft_row = w.group.join(src)
     return w.group
 
 @patch

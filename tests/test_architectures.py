@@ -7,6 +7,7 @@ import mlx.core as mx, pytest
 from specnb import generate, spec_generate
 from specnb.models import model_from_config, perturbed
 from specnb.recurrent import tiny_hybrid
+from specnb.tap import text_model
 from specnb.sources.head import random_head
 from specnb.sources.eagle3 import random_eagle3
 from specnb.sources.dflash import random_dflash
@@ -80,7 +81,7 @@ def test_refusals(arch):
     "Early exit, the head, EAGLE-3 and DFlash (alone or behind prompt lookup) refuse, at `check`, a target whose layers they cannot read, naming its architecture."
     target, llama = models(arch, 8)[0], models("llama", 8)[0]
     head, eagle = random_head(llama, [0, 1], hidden_size=32), random_eagle3(llama, [1, 2])
-    sized = target if hasattr(target, "args") or hasattr(getattr(target, "language_model", None), "args") else llama   # PLaMo 2 keeps `config`
+    sized = target if hasattr(text_model(target), "args") else llama   # PLaMo 2 keeps `config`
     dflash = random_dflash(sized, [0, 1], block_size=8)   # sized for the target: refused for how its layers are built, not for its sizes
     kinds = [k for k, ok in (("early-exit", arch in EARLY_EXIT), ("head", arch in HEAD), ("eagle3", arch in HEAD), ("dflash", arch in HEAD)) if not ok]
     for kind in kinds + [k + "+lookup" for k in kinds]:
