@@ -222,8 +222,9 @@ def _capturable(self:RecurrentCache, x:mx.array, mask, default:bool)->bool:
             and x.shape[0] == 1 and 1 < x.shape[1] <= self.max_verify)
 
 def layer_name(module)->str:
-    "The mlx-lm class of a layer, watched or not, as `package.module.Class`."
-    cls = getattr(type(module), "_watches", type(module))
+    "The mlx-lm class of a layer (or a layer class), watched or not, as `package.module.Class`."
+    cls = module if isinstance(module, type) else type(module)
+    cls = getattr(cls, "_watches", cls)
     return f"{cls.__module__}.{cls.__qualname__}"
 
 def prefix_states(module, call, cache, bound:dict, x:mx.array)->tuple:
@@ -304,7 +305,7 @@ def _watched(cls):
     "`cls` with a `__call__` that records its calls on a `RecurrentCache` (and captures every position where it may)."
     if cls not in _WATCHED:
         params = list(inspect.signature(cls.__call__).parameters)[1:]
-        name = f"{cls.__module__}.{cls.__qualname__}"
+        name = layer_name(cls)
         fixes = ROW_LENGTHS.get(name, {})
         at, call = params.index("cache"), fixes.get("__call__", cls.__call__)
         can_capture, default = ("mask" in params or name in PREFIXED) and name in CAPTURABLE, name in CAPTURE_BY_DEFAULT

@@ -52,7 +52,10 @@ def unrolled(head, target, x, feats, steps, rows=None):
 STEPS_UNROLLED, SEQ, BATCH, TAPS = 3, 128, 8, [1, 3, 5]
 
 def windows(stream, n, rng, seq):
-    "`n` random windows of `seq` tokens from `stream`, `(n, seq)` int32."
+    "`n` random windows of `seq` tokens from `stream`, `(n, seq)` int32: a 1-D stream, or 2-D rows (each window inside one row)."
+    if np.ndim(stream) == 2:
+        rows, starts = rng.integers(0, len(stream), size=n), rng.integers(0, stream.shape[1] - seq + 1, size=n)
+        return mx.array(np.stack([stream[r, s:s + seq] for r, s in zip(rows, starts)]).astype(np.int32))
     starts = rng.integers(0, len(stream) - seq, size=n)
     return mx.array(np.stack([stream[s:s + seq] for s in starts]).astype(np.int32))
 
