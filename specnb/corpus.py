@@ -29,6 +29,7 @@ def split_of(rel:str)->str:
 
 # %% ../nbs/00a_train_pair.ipynb #e10cc4d5
 def encode_stream(tok, texts, eos:str="<|endoftext|>"):
-    "One uint16 array: each text's tokens followed by the `eos` token (a `tokenizers.Tokenizer`)."
-    eos = tok.token_to_id(eos)
-    return np.concatenate([np.array(e.ids + [eos], dtype=np.uint16) for e in tok.encode_batch(texts)])
+    "One array: each text's tokens followed by the `eos` token (a `tokenizers.Tokenizer`); uint16, or uint32 for a vocabulary past 65,536 tokens."
+    eos, dtype = tok.token_to_id(eos), np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
+    if eos is None: raise ValueError("the tokenizer has no such end-of-text token: name its own (eos=...)")
+    return np.concatenate([np.array(e.ids + [eos], dtype=dtype) for e in tok.encode_batch(texts)])
