@@ -13,10 +13,9 @@ import math, time
 import numpy as np
 import mlx.core as mx, mlx.nn as nn, mlx.optimizers as optim
 from mlx.utils import tree_flatten
-from .tap import Tap
+from .tap import Tap, text_model
 from .sources.base import output_head, output_layer
 from .sources.eagle3 import Eagle3, Eagle3Provider, read_eagle3
-from .tap import text_model
 from .train_head import BATCH, SEQ, STEPS_UNROLLED, UnrollCache, lr_at, pick_draft_vocab, target_batch, unroll_mask, windows
 
 # %% ../nbs/05o_train_eagle3.ipynb #535c28c1
@@ -97,8 +96,10 @@ def draft_labels(target, tap, x, ids,
                  best:bool=True, # also the target's greedy tokens, over its whole vocabulary (one window at a time)
                 )->tuple:
     "`target_batch` for a large vocabulary: the tapped features and `(logits over the draft vocabulary ids, greedy tokens or None)` — never a `(B, N, V)` array."
+    layer = output_layer(target)
+    if "scales" in layer: raise ValueError("draft_labels reads the target's output rows: give it an unquantized target")
     with tap: h = text_model(target).model(x)   # after the final norm
-    within = h @ output_layer(target).weight[ids].T
+    within = h @ layer.weight[ids].T
     top = mx.concatenate([output_head(target)(h[i:i + 1]).argmax(-1) for i in range(h.shape[0])]) if best else None
     return tap.take(batch=True), (within, top)
 
