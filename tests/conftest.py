@@ -1,7 +1,14 @@
-import os, pytest
+import json, os, pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DURATIONS = Path(__file__).with_name("durations.json")   # seconds each test took in a full run: the longest start first
+
+# Parallel workers (pytest-xdist, `-n auto` in pyproject.toml) share the cores: each worker's BLAS gets its share of them, so
+# two workers on two cores do not fight over four threads. Set before specnb (and with it OpenBLAS) is imported below.
+if (workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT")):
+    threads = str(max(1, (os.cpu_count() or 1) // int(workers)))
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"): os.environ.setdefault(var, threads)
 
 # Every test runs on the same OpenBLAS kernels, Haswell's (AVX2: every x86-64 machine CI draws has it). OpenBLAS otherwise picks
 # them by CPU (Cooperlake or SkylakeX where there is AVX-512), and the gates compare float results across differently shaped
@@ -21,12 +28,32 @@ def pytest_configure(config):
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="also run cells and tests flagged slow")
+    parser.addoption("--store-durations", action="store_true", help=f"write how long each test took to tests/{DURATIONS.name} (the order tests start in)")
+
+# Tests that start `mlx.launch` ring jobs run on one worker, one at a time (`--dist loadgroup`): ring ranks busy-wait, and two
+# jobs at once on a small machine starve each other's ranks past their timeouts.
+RING = "ring"
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--slow"): return
-    skip = pytest.mark.skip(reason="slow: run with --slow")
-    for item in items:
-        if "slow" in item.keywords: item.add_marker(skip)
+    "Skip slow tests without `--slow`; start the longest tests first (the ring group as one), so no long test is left for the end."
+    if not config.getoption("--slow"):
+        skip = pytest.mark.skip(reason="slow: run with --slow")
+        for item in items:
+            if "slow" in item.keywords: item.add_marker(skip)
+    took = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    def group(item): return next((m.args[0] for m in item.iter_markers("xdist_group")), None)
+    ring = sum(took.get(i.nodeid, 1.0) for i in items if group(i) == RING)
+    items.sort(key=lambda i: -(ring if group(i) == RING else took.get(i.nodeid, 1.0)))
+
+_took = {}
+
+def pytest_runtest_logreport(report):
+    "Add up each test's setup, call and teardown (on the controller, for every worker's tests)."
+    _took[report.nodeid] = _took.get(report.nodeid, 0.0) + report.duration
+
+def pytest_sessionfinish(session):
+    if session.config.getoption("--store-durations") and "PYTEST_XDIST_WORKER" not in os.environ:
+        DURATIONS.write_text(json.dumps({k: round(v, 1) for k, v in sorted(_took.items())}, indent=0) + "\n")
 
 @pytest.fixture(scope="session")
 def fast_env():

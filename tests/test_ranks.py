@@ -6,6 +6,9 @@ import os, shutil, signal, socket, subprocess, sys, time
 from contextlib import contextmanager
 from pathlib import Path
 import httpx, psutil, pytest
+from conftest import RING
+
+pytestmark = pytest.mark.xdist_group(RING)   # one ring job at a time, on one worker (conftest.py)
 
 BOUND = 20   # seconds for a rank to exit: slack for a loaded 2-core machine (it takes under 1 s here alone)
 
