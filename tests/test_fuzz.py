@@ -10,6 +10,8 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 from schemathesis.engine import events
 from specnb.harness import serve_process
 
+pytestmark = pytest.mark.xdist_group("test_fuzz")   # the tests share module-scoped servers: one worker, in order
+
 MODEL, C, CHAT = "specnb-bundled", "/v1/completions", "/v1/chat/completions"
 LIMIT = 16   # --max-tokens-limit: a larger max_tokens is refused at once (400), so the fuzzers may pick any value and stay quick
 VOCAB = 4096   # the bundled pair's vocabulary

@@ -7,6 +7,8 @@ from specnb import spec_generate, generate, TwoModelProvider, NgramProvider
 from specnb.grammar import from_json_schema, from_regex, from_choices
 from specnb.models import load_pair
 
+pytestmark = pytest.mark.xdist_group("test_grammar")   # the tests share module-scoped servers: one worker, in order
+
 S, I, N, B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
 def obj(props, required=None, **kw): return {"type": "object", "properties": props, "required": list(props) if required is None else required, **kw}
 SCHEMAS = [

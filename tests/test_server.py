@@ -14,6 +14,10 @@ from specnb.models import load_pair, bundled_dir, PROBE
 from specnb.blas import OPENBLAS
 from specnb.harness import running_server, serve_process
 
+# The tests here share module-scoped servers and read their counters (refused requests, …) after one another: one worker
+# runs them all, in order (`--dist loadgroup`; other files' tests run beside them on the other worker).
+pytestmark = pytest.mark.xdist_group("server")
+
 MODEL = "specnb-bundled"
 NO_EOS = {"0": -100}   # the bundled EOS id: banning it makes a generation run to max_tokens
 

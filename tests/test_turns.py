@@ -19,6 +19,8 @@ from specnb.models import gemma3_270m, smollm2
 from specnb.serve.answer import chat_style_folder, qwen_style_folder
 from specnb.serve.requests import choice_seed
 
+pytestmark = pytest.mark.xdist_group("test_turns")   # the tests share module-scoped servers: one worker, in order
+
 MODEL = "qwen-style"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
            "required": ["city", "days"], "additionalProperties": False}
