@@ -35,15 +35,21 @@ def pytest_addoption(parser):
 RING = "ring"
 
 def pytest_collection_modifyitems(config, items):
-    "Skip slow tests without `--slow`; start the longest tests first (the ring group as one), so no long test is left for the end."
+    """Skip slow tests without `--slow`; start the longest tests first, so no long test is left for the end.
+
+    An `xdist_group` moves as one unit, its tests in the order its file wrote them: they share module-scoped servers
+    and read one another's effects (test_server's refused-requests counter counts the bad requests sent before it)."""
     if not config.getoption("--slow"):
         skip = pytest.mark.skip(reason="slow: run with --slow")
         for item in items:
             if "slow" in item.keywords: item.add_marker(skip)
     took = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    def group(item): return next((m.args[0] for m in item.iter_markers("xdist_group")), None)
-    ring = sum(took.get(i.nodeid, 1.0) for i in items if group(i) == RING)
-    items.sort(key=lambda i: -(ring if group(i) == RING else took.get(i.nodeid, 1.0)))
+    units = {}   # a group's name, or a lone test's node id -> its tests, in collection order
+    for item in items:
+        group = next((m.args[0] for m in item.iter_markers("xdist_group")), None)
+        units.setdefault(group or item.nodeid, []).append(item)
+    longest_first = sorted(units.values(), key=lambda unit: -sum(took.get(i.nodeid, 1.0) for i in unit))
+    items[:] = [item for unit in longest_first for item in unit]
 
 _took = {}
 
