@@ -111,8 +111,9 @@ def _ranks(args, err):
     from specnb.distributed import join
     return join(args.pipeline, 60.0 if args.rank_timeout is None else args.rank_timeout, err)
 
-def cmd_generate(args, out=sys.stdout, err=sys.stderr):
-    "Run `specnb generate`: stream the text to `out`, then one statistics line to `err`."
+def cmd_generate(args, out=None, err=None):
+    "Run `specnb generate`: stream the text to `out`, then one statistics line to `err` (default: `sys.stdout` and `sys.stderr` as they are when called)."
+    out, err = out or sys.stdout, err or sys.stderr
     import mlx.core as mx   # here, not at the top: `specnb --help` and argument errors load no MLX
     from specnb.accept import Sampling
     from specnb.detok import DecodedText
