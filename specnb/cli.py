@@ -11,6 +11,7 @@ __all__ = ['echo', 'cmd_generate', 'main']
 import argparse, sys
 from contextlib import nullcontext
 from .sources.registry import KINDS, draft_kind, load_drafting
+from .serve_options import ServeOptions
 
 # %% ../nbs/07a_cli.ipynb #16de2587
 def _model_args(p):
@@ -53,23 +54,7 @@ def _parser():
     g.add_argument("--no-echo", action="store_true", help="print only the completion, not the prompt before it (dimmed on a terminal)")
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (see specnb.serve)")
     _model_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    s.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the model; more get 503 (default 16)")
-    s.add_argument("--max-batch-size", type=int, default=8, help="requests that advance together in one batch (1: one at a time; default 8)")
-    s.add_argument("--prompt-cache-size", type=int, default=10, help="conversations kept in the prompt cache; 0 turns it off (default 10)")
-    s.add_argument("--max-tokens", type=int, default=512, help="tokens generated when a request names no max_tokens (default 512)")
-    s.add_argument("--max-tokens-limit", type=int, default=32768, help="the largest max_tokens a request may ask for (default 32768)")
-    s.add_argument("--temp", type=float, default=0.0, help="temperature when a request names none (default 0: greedy)")
-    s.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model, or specnb-bundled)")
-    s.add_argument("--max-context", type=int, default=None, help="refuse a prompt + max_tokens longer than this (default: the target's context from its config)")
-    s.add_argument("--max-request-bytes", default="16MiB", help="refuse request bodies larger than this with 413 (default 16MiB)")
-    s.add_argument("--memory-budget", default=None, help="memory the server may hold, e.g. 48G (default: MLX's recommended working set, else 3/4 of RAM)")
-    s.add_argument("--prompt-cache-bytes", default=None, help="bytes the prompt cache may hold (default: a quarter of the memory budget)")
-    s.add_argument("--request-timeout", type=float, default=None, help="stop a request after this many seconds from its arrival (default: none)")
-    s.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill forward; a request can stop between them (default 2048)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes (default: $SPECNB_API_KEY; none on loopback)")
-    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log level")
+    ServeOptions.add_arguments(s)   # --host … --log-level: each default and help line once (specnb.serve_options)
     _rank_args(s)
     b = sub.add_parser("bench", help="benchmark plain decoding, each draft source and mlx-lm on one pair (see specnb.bench)")
     b.add_argument("--model", help="target: a local mlx-lm folder or a hub id (default: the bundled target)")

@@ -69,8 +69,9 @@ def check_case(arch, source, window, gamma, step, prompt, max_tokens=24):
     assert r.stats.fallback_at is None and r.stats.rounds > 0, (arch, source, r.stats)   # the prompt alone is longer than the window
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_architecture(arch):
-    "Each applicable source once on `arch`, with a window, γ and prefill chunk drawn from a fixed seed."
+def test_architecture(arch, request):
+    "Each applicable source once on `arch`, with a window, γ and prefill chunk drawn from a fixed seed (the quick suite's sample of the sweep below)."
+    if request.config.getoption("--slow"): pytest.skip("with --slow, test_architecture_sweep checks every source on every architecture at two γ and two windows")
     rng = random.Random(ARCHS.index(arch))
     window = rng.choice([8, 12, 16, 24, 32])
     prompt = prompt_for(rng, window)

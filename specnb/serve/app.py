@@ -25,6 +25,7 @@ from .protocol import APIError, BaseRequest, ChatRequest, CompletionRequest, Rep
 from .answer import Turn, chat_logprobs, completion_logprobs, initial_state, merge_delta
 from .requests import Choices, Job, asked_tokens, chat_prompt, check_model, completion_prompt, make_job, tool_dicts, turn_grammar
 from .memory import mib, parse_bytes
+from ..serve_options import ServeOptions
 from .engine import Engine, log
 
 # %% ../../nbs/08g_app.ipynb #94f157f4
@@ -305,7 +306,7 @@ def _openapi(app:FastAPI)->dict:
     app.openapi_schema = s
     return s
 
-def make_app(engine:Engine, max_request_bytes:int=16 * 2**20, api_key:str|None=None)->FastAPI:
+def make_app(engine:Engine, max_request_bytes:int=parse_bytes(ServeOptions.max_request_bytes), api_key:str|None=None)->FastAPI:
     "The FastAPI application serving `engine` (its worker runs while the app does), behind the `Guard`."
     @asynccontextmanager
     async def lifespan(app):
@@ -337,25 +338,19 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 def server_limits(args)->dict:
-    "The server's limits from the command line, checked before anything is loaded."
-    for name, v, lo in (("--port", args.port, 0), ("--max-queue", args.max_queue, 1), ("--prompt-cache-size", args.prompt_cache_size, 0),
-                        ("--max-tokens", args.max_tokens, 1), ("--max-tokens-limit", args.max_tokens_limit, args.max_tokens),
-                        ("--max-context", args.max_context, 1), ("--prefill-step-size", args.prefill_step_size, 1),
-                        ("--max-batch-size", args.max_batch_size, 1)):
-        if v is not None and v < lo: raise ValueError(f"{name} must be >= {lo}, got {v}")
-    if args.port > 65535: raise ValueError(f"--port must be <= 65535, got {args.port}")
-    if args.temp < 0: raise ValueError(f"--temp must be >= 0, got {args.temp}")
-    if args.request_timeout is not None and args.request_timeout <= 0: raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    "The server's limits from the command line (its `ServeOptions`), checked before anything is loaded; sizes in bytes."
+    o = ServeOptions.from_args(args).check()
     size = lambda name, v: None if v is None else parse_bytes(v, name)
-    return dict(memory_budget=size("--memory-budget", args.memory_budget), prompt_cache_bytes=size("--prompt-cache-bytes", args.prompt_cache_bytes),
-                max_context=args.max_context, request_timeout=args.request_timeout, prefill_step_size=args.prefill_step_size or 2048,
-                max_batch_size=args.max_batch_size)
+    return dict(memory_budget=size("--memory-budget", o.memory_budget), prompt_cache_bytes=size("--prompt-cache-bytes", o.prompt_cache_bytes),
+                max_context=o.max_context, request_timeout=o.request_timeout, prefill_step_size=o.prefill_step_size,
+                max_batch_size=o.max_batch_size)
 
 def engine_options(args, kind:str)->dict:
     "The `Engine`'s options from the command line (after `load_drafting`, which settles `num_draft_tokens`)."
-    return dict(model_id=args.served_model_name or args.model or "specnb-bundled", draft_kind=kind, num_draft_tokens=args.num_draft_tokens,
-                max_queue=args.max_queue, prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens,
-                max_tokens_limit=args.max_tokens_limit, temp=args.temp, acceptance=args.acceptance)
+    o = ServeOptions.from_args(args)
+    return dict(model_id=o.served_model_name or args.model or "specnb-bundled", draft_kind=kind, num_draft_tokens=args.num_draft_tokens,
+                max_queue=o.max_queue, prompt_cache_size=o.prompt_cache_size, max_tokens=o.max_tokens,
+                max_tokens_limit=o.max_tokens_limit, temp=o.temp, acceptance=args.acceptance)
 
 def cmd_serve(args, loader=None, make_engine=Engine):
     "Run `specnb serve` until interrupted; bad arguments are a `ValueError` before anything is loaded. (`loader`, `make_engine`: a split target's.)"

@@ -18,6 +18,7 @@ from ..accept import RandomStream
 from ..executor import spec_generate, spec_stream, context_length
 from ..batch import Batch, spec_generate_batch
 from ..models import logits_width
+from ..serve_options import ServeOptions
 from ..sources.lookup_first import PredictedProvider
 from fastcore.basics import patch
 from .protocol import APIError, usage
@@ -86,9 +87,11 @@ def batch_limit(model, provider, n:int, num_draft_tokens:int=3)->tuple:
 class Engine:
     "The model worker: one thread runs queued requests through the executor — one at a time, or up to `max_batch_size` in one `Batch` — within a memory budget."
     def __init__(self, pair, provider=None, *, model_id:str="specnb-bundled", draft_kind:str="two-model", num_draft_tokens:int=3,
-                 max_queue:int=16, prompt_cache_size:int=10, max_tokens:int=512, max_tokens_limit:int=32768, temp:float=0.0,
+                 max_queue:int=ServeOptions.max_queue, prompt_cache_size:int=ServeOptions.prompt_cache_size,
+                 max_tokens:int=ServeOptions.max_tokens, max_tokens_limit:int=ServeOptions.max_tokens_limit, temp:float=ServeOptions.temp,
                  acceptance:str="match", max_context:int|None=None, memory_budget:int|None=None, prompt_cache_bytes:int|None=None,
-                 request_timeout:float|None=None, prefill_step_size:int=2048, max_batch_size:int=1,
+                 request_timeout:float|None=None, prefill_step_size:int=ServeOptions.prefill_step_size,
+                 max_batch_size:int=1,   # one at a time unless asked: `specnb serve` asks for ServeOptions.max_batch_size
                  coordinator=None):   # the target split over ranks: what makes them run each job together (08b)
         self.model, self.tokenizer, self.provider, self.draft_kind = pair.target, pair.tokenizer, provider, draft_kind
         self.limits = Limits(pair.tokenizer, model_id, logits_width(self.model), least(context_length(self.model), max_context), max_tokens,
