@@ -37,8 +37,8 @@ RING = "ring"
 def pytest_collection_modifyitems(config, items):
     """Skip slow tests without `--slow`; start the longest tests first, so no long test is left for the end.
 
-    An `xdist_group` moves as one unit, its tests in the order its file wrote them: they share module-scoped servers
-    and read one another's effects (test_server's refused-requests counter counts the bad requests sent before it)."""
+    An `xdist_group` moves as one unit, its tests in the order its file wrote them: they share module-scoped servers,
+    and a file is read top to bottom as the order its tests run in."""
     if not config.getoption("--slow"):
         skip = pytest.mark.skip(reason="slow: run with --slow")
         for item in items:

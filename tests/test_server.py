@@ -14,8 +14,7 @@ from specnb.models import load_pair, bundled_dir, PROBE
 from specnb.blas import OPENBLAS
 from specnb.harness import running_server, serve_process
 
-# The tests here share module-scoped servers and read their counters (refused requests, …) after one another: one worker
-# runs them all, in order (`--dist loadgroup`; other files' tests run beside them on the other worker).
+# The tests here share module-scoped servers: one worker runs them all, in the order written (`--dist loadgroup`; other files' tests run beside them on the other worker).
 pytestmark = pytest.mark.xdist_group("server")
 
 MODEL = "specnb-bundled"
@@ -235,7 +234,7 @@ def test_bad_input_through_the_client_and_server_survives(client, url):
                                        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 5}}})
     r = httpx.get(url + "/v1/nothing-here")
     assert r.status_code == 404 and "error" in r.json()
-    # every bad body above counted once as a bad request (the schema, model and path errors are counted under their own codes)
+    # every bad body above counted once as a bad request (the schema and model errors carry codes of their own, the path is not counted)
     assert metric(url, "specnb_refused_requests_total", reason="bad_request") - before == len(BAD)
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=3).usage.completion_tokens == 3
 
