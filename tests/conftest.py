@@ -4,11 +4,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DURATIONS = Path(__file__).with_name("durations.json")   # seconds each test took in a full run: the longest start first
 
-# Every test runs OpenBLAS with two threads, whatever the machine and however many pytest-xdist workers share it: how OpenBLAS
-# splits a large matmul between threads changes its rounding, and gates that compare logprobs across forwards of different
-# shapes hold to 1e-5 with the split they were written on (07's logprobs gate fails with one thread). Set before specnb, and
-# with it OpenBLAS, is imported below; children inherit it through `fast_env`.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")
+# Every test runs OpenBLAS with one thread, whatever the machine: the pytest-xdist workers already keep every core busy, and a
+# second BLAS thread per process only spins beside them. Measured here (2 cores): two processes speculating on the bundled pair
+# at once took 24-26 s with one thread each against 30-34 s with two, and a full `pytest tests --slow` 36.5 min against 42.5.
+# Pinned rather than left to the machine because how OpenBLAS splits a matmul between threads changes its rounding, and the
+# gates compare float32 logprobs across forwards of different shapes to 3e-5 (07's logprobs gate, tests/test_turns.py's
+# `CLOSE`). Set before specnb, and with it OpenBLAS, is imported below; children inherit it through `fast_env`.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # Every test runs on the same OpenBLAS kernels, Haswell's (AVX2: every x86-64 machine CI draws has it). OpenBLAS otherwise picks
 # them by CPU (Cooperlake or SkylakeX where there is AVX-512), and the gates compare float results across differently shaped
