@@ -273,12 +273,13 @@ def _split_sources(sources:list, pipeline:bool, given:bool)->list:
 
 def cmd_bench(args, ranks=None):
     "Run `specnb bench`: print the table, write `bench.json` and the plots to `--out`. With `ranks` (`--distributed`), every rank runs it and rank 0 reports."
-    if args.sources and args.no_mlx_lm:   # only the sources named could read --draft-model: refuse it unread before looking it up (a hub request)
-        refuse_unread([s for s in args.sources.split(",") if s], dict(draft_model=args.draft_model))
+    named = [s for s in args.sources.split(",") if s] if args.sources else None
+    if named is not None and args.no_mlx_lm:   # only the sources named could read --draft-model: refuse it unread before looking it up (a hub request)
+        refuse_unread(named, dict(draft_model=args.draft_model))
     published = args.draft_model and published_kind(args.draft_model)   # an EAGLE-3 checkpoint: its source, not a second model
     no_draft = args.model and (not args.draft_model or published)   # a target of one's own and no draft model: no two-model source, no mlx-lm
     default = [s for s in ("two-model", "ngram", "early-exit", "head") if not (no_draft and KINDS[s].needs_draft)] + ([published] if published else [])
-    sources = _split_sources([s for s in args.sources.split(",") if s] if args.sources else default, bool(ranks and ranks.pipeline), bool(args.sources))
+    sources = _split_sources(default if named is None else named, bool(ranks and ranks.pipeline), bool(args.sources))
     try: gammas = sorted({int(g) for g in args.gammas.split(",") if g})
     except ValueError: raise ValueError(f"--gammas takes integers separated by commas, got {args.gammas!r}") from None
     if args.prompts in PROMPT_SETS: texts = PROMPT_SETS[args.prompts]()
