@@ -12,5 +12,8 @@ from .protocol import *
 from .answer import *
 from .requests import *
 from .memory import *
+from .admission import *
+from .runners import *
 from .engine import *
+from .replies import *
 from .app import *

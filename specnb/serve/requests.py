@@ -40,7 +40,7 @@ class Limits:
 # %% ../../nbs/08d_requests.ipynb #5e18f76f
 @dataclass
 class Choices:
-    "The `n` jobs of one request: the first to start reads the prompt for all (`Engine._share_prefill`)."
+    "The `n` jobs of one request: the first to start reads the prompt for all (`Runner.share_prefill`, 08eb)."
     prefilled: bool = False
 
 @dataclass(eq=False)   # a job is itself, not its fields: the worker keeps a set of them
