@@ -16,89 +16,116 @@ from mlx.utils import tree_flatten
 from safetensors import safe_open
 
 # %% ../nbs/05la_checkpoint.ipynb #4391fc07
-PT = {"format": "pt"}   # the metadata torch's safetensors writer puts in a file's header; transformers' loaders expect it
+# the metadata torch's safetensors writer puts in a file's header; transformers' loaders expect it
+PT = {"format": "pt"}
 
-def safetensors_names(file)->list:
+
+def safetensors_names(file) -> list:
     "The tensor names in one safetensors file, read from its header alone."
-    with safe_open(str(file), "numpy") as f: return list(f.keys())
+    with safe_open(str(file), "numpy") as f:
+        return list(f.keys())
 
-def on_hub(path)->bool:
+
+def on_hub(path) -> bool:
     "Is `path` a hub id (`owner/name`) rather than something on this machine?"
     return not Path(path).exists() and str(path).count("/") == 1 and not str(path).startswith((".", "/", "~"))
 
-def hub_file(repo:str, name:str)->Path:
+
+def hub_file(repo: str, name: str) -> Path:
     "One file of the hub repository `repo`, downloaded once (huggingface_hub keeps it in its cache)."
     from huggingface_hub import hf_hub_download
+
     return Path(hf_hub_download(repo, name))
 
 # %% ../nbs/05la_checkpoint.ipynb #1ef4c65a
-def _no_checkpoint(path)->ValueError:
-    pickled = Path(path).is_dir() and (Path(path)/"pytorch_model.bin").exists()
-    return ValueError(f"no safetensors checkpoint at {path}" + (" (pytorch_model.bin is pickled: convert it to safetensors)" if pickled else ""))
+def _no_checkpoint(path) -> ValueError:
+    pickled = Path(path).is_dir() and (Path(path) / "pytorch_model.bin").exists()
+    why = " (pytorch_model.bin is pickled: convert it to safetensors)" if pickled else ""
+    return ValueError(f"no safetensors checkpoint at {path}{why}")
 
-def checkpoint_keys(path)->dict:
-    "Every tensor name in the safetensors checkpoint at `path` (a folder, one file, or a hub id) → the file holding it; no weight is read."
+
+def checkpoint_keys(path) -> dict:
+    "Each tensor name in the safetensors checkpoint at `path` (folder, file or hub id) → its file; no weight is read."
     if on_hub(path):
-        from huggingface_hub import HfApi, constants
-        if not constants.is_offline_mode():   # from the files' headers: a shard is downloaded only when `read_tensors` reads it
+        from huggingface_hub import HfApi, constants, snapshot_download
+
+        # from the files' headers: a shard is downloaded only when `read_tensors` reads it
+        if not constants.is_offline_mode():
             return {k: (str(path), f) for k, f in HfApi().get_safetensors_metadata(str(path)).weight_map.items()}
-        path = hub_file(str(path), "config.json").parent   # offline: the snapshot in the cache
+        path = snapshot_download(str(path), local_files_only=True)  # offline: the snapshot in the cache
     path = Path(path)
-    index = path/"model.safetensors.index.json"
-    if index.is_file(): return {k: path/f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    if not files: raise _no_checkpoint(path)
+    if not files:
+        raise _no_checkpoint(path)
     return {k: f for f in files for k in safetensors_names(f)}
 
-def read_tensors(where:dict, keys)->dict:
+
+def read_tensors(where: dict, keys) -> dict:
     "The tensors `keys`, `where` naming each one's file (MLX loads lazily: only these are ever read)."
     by_file = {}
-    for k in keys: by_file.setdefault(where[k], []).append(k)
+    for k in keys:
+        by_file.setdefault(where[k], []).append(k)
     out = {}
     for f, ks in by_file.items():
-        shard = mx.load(str(hub_file(*f) if isinstance(f, tuple) else f))   # (repo, name): a shard on the hub
+        shard = mx.load(str(hub_file(*f) if isinstance(f, tuple) else f))  # (repo, name): a shard on the hub
         out.update({k: shard[k] for k in ks})
     return out
 
 # %% ../nbs/05la_checkpoint.ipynb #68535bc6
-def read_config(path)->dict|None:
-    "The `config.json` of the checkpoint at `path` (a folder, a file in one, or a hub id); None where a local one has none."
-    if on_hub(path): return json.loads(hub_file(str(path), "config.json").read_text())
-    f = (Path(path) if Path(path).is_dir() else Path(path).parent)/"config.json"
-    return json.loads(f.read_text()) if f.is_file() else None
+def read_config(path) -> dict | None:
+    "The `config.json` of the checkpoint at `path` (a folder, a file in one, or a hub id); None where it has none."
+    if on_hub(path):
+        return json.loads(hub_file(str(path), "config.json").read_text())
+    p = Path(path)
+    f = p / "config.json" if p.is_dir() else p.parent / "config.json" if p.is_file() else None
+    return json.loads(f.read_text()) if f is not None and f.is_file() else None
 
-def stored(v:mx.array, dtype=None)->mx.array:
-    "A tensor as a checkpoint stores it: floating ones as `dtype` (None: as they are), integer ones as int64 (as torch writes them), booleans as they are."
-    if mx.issubdtype(v.dtype, mx.floating): return v if dtype is None else v.astype(dtype)
+
+def stored(v: mx.array, dtype=None) -> mx.array:
+    "A tensor as a checkpoint stores it: floating ones as `dtype` (None: unchanged), integers as int64 (as torch does)."
+    if mx.issubdtype(v.dtype, mx.floating):
+        return v if dtype is None else v.astype(dtype)
     return v.astype(mx.int64) if mx.issubdtype(v.dtype, mx.integer) else v
 
-def write_checkpoint(path,                    # the folder to write (made if missing)
-                     config:dict,             # its `config.json`
-                     tensors:dict|nn.Module,  # the tensors under their stored names, or a module (its parameters, named as it names them)
-                     dtype=None,              # floating tensors cast to this (None: as they are)
-                     indent:int|None=1,       # of the config's JSON
-                     metadata:dict|None=PT)->Path:
+
+def write_checkpoint(
+    path,  # the folder to write (made if missing)
+    config: dict,  # its `config.json`
+    tensors: dict | nn.Module,  # the tensors under their stored names, or a module (its parameters, as it names them)
+    dtype=None,  # floating tensors cast to this (None: as they are)
+    indent: int | None = 1,  # of the config's JSON
+    metadata: dict | None = PT,  # of the safetensors header
+) -> Path:
     "Write `config.json` and `model.safetensors` into the folder `path`."
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    if isinstance(tensors, nn.Module): tensors = dict(tree_flatten(tensors.parameters()))
-    mx.save_safetensors(str(path/"model.safetensors"), {k: stored(v, dtype) for k, v in tensors.items()}, metadata=metadata)
-    (path/"config.json").write_text(json.dumps(config, indent=indent))
+    if isinstance(tensors, nn.Module):
+        tensors = dict(tree_flatten(tensors.parameters()))
+    tensors = {k: stored(v, dtype) for k, v in tensors.items()}
+    mx.save_safetensors(str(path / "model.safetensors"), tensors, metadata=metadata)
+    (path / "config.json").write_text(json.dumps(config, indent=indent))
     return path
 
 # %% ../nbs/05la_checkpoint.ipynb #8fc74063
-def read_checkpoint(path,              # a folder, or a hub id
-                    build,             # (config, tensors) → the empty module the format describes
-                    rename:dict|None=None,  # stored name prefix → the module's
-                    drop=())->nn.Module:    # tensors whose names contain any of these are not read
-    "The module `build` makes of the checkpoint at `path`, every tensor loaded into it strictly (integer ones as int32)."
+def read_checkpoint(
+    path,  # a folder, or a hub id
+    build,  # (config, tensors) → the empty module the format describes (it may drop tensors it never reads)
+    rename: dict | None = None,  # stored name prefix → the module's
+    drop=(),  # tensors whose names contain any of these are not read
+) -> nn.Module:
+    "The module `build` makes of the checkpoint at `path`, every tensor loaded into it strictly (integers as int32)."
     cfg = read_config(path)
-    if cfg is None: raise ValueError(f"no checkpoint at {path}: expected config.json and *.safetensors")
+    if cfg is None:
+        raise ValueError(f"no checkpoint at {path}: expected config.json and *.safetensors")
     where = checkpoint_keys(path)
     w = read_tensors(where, [k for k in where if not any(d in k for d in drop)])
-    for old, new in (rename or {}).items(): w = {new + k.removeprefix(old) if k.startswith(old) else k: v for k, v in w.items()}
+    for old, new in (rename or {}).items():
+        w = {new + k.removeprefix(old) if k.startswith(old) else k: v for k, v in w.items()}
     w = {k: v.astype(mx.int32) if mx.issubdtype(v.dtype, mx.integer) else v for k, v in w.items()}
     module = build(cfg, w)
-    module.load_weights(list(w.items()))   # strict: every tensor present, none left over
+    module.load_weights(list(w.items()))  # strict: every tensor present, none left over
     mx.eval(module.parameters())
     return module

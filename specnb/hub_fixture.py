@@ -15,111 +15,162 @@ from urllib.parse import unquote, urlsplit
 from fastcore.basics import patch
 
 # %% ../nbs/00d_hub_fixture.ipynb #aa6a2dba
-COMMIT = "5bec1e15" * 5   # the one revision every repository has: 40 hex digits, as a commit hash is
+COMMIT = "5bec1e15" * 5  # the one revision every repository has: 40 hex digits, as a commit hash is
 
-def file_entry(f:Path)->dict:
-    "A file's headers as the hub sends them: its entity tag (the sha256 of its bytes, as for a git-lfs file), the commit, the size."
-    return {"ETag": f'"{hashlib.sha256(f.read_bytes()).hexdigest()}"', "X-Repo-Commit": COMMIT, "Content-Length": str(f.stat().st_size),
-            "Accept-Ranges": "bytes"}
 
-def byte_range(header:str|None, size:int)->tuple|None:
-    "`(first, last)`, inclusive, of a `Range: bytes=first-last` header over a `size`-byte file (None: no header, the whole file)."
-    if not header: return None
+def file_entry(f: Path) -> dict:
+    "A file's headers as the hub sends them: its entity tag (sha256 of its bytes, as a git-lfs file's), commit, size."
+    return {
+        "ETag": f'"{hashlib.sha256(f.read_bytes()).hexdigest()}"',
+        "X-Repo-Commit": COMMIT,
+        "Content-Length": str(f.stat().st_size),
+        "Accept-Ranges": "bytes",
+    }
+
+
+def byte_range(header: str | None, size: int) -> tuple | None:
+    "`(first, last)`, inclusive, of a `Range: bytes=first-last` header over a `size`-byte file (None: no header)."
+    if not header:
+        return None
     first, last = header.removeprefix("bytes=").split("-")
     return int(first), min(int(last) if last else size - 1, size - 1)
 
 # %% ../nbs/00d_hub_fixture.ipynb #20bd63cf
 class _Handler(BaseHTTPRequestHandler):
     "One request to the loopback hub: `hub.answer` says what to send."
+
     hub = None
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, *args): pass   # the requests are kept in `hub.requests`
+    def log_message(self, *args):
+        pass  # the requests are kept in `hub.requests`
 
-    def reply(self, body:bool):
+    def reply(self, body: bool):
         status, headers, data = self.hub.answer(self.command, self.path, self.headers.get("Range"))
         self.send_response(status)
-        for k, v in headers.items(): self.send_header(k, v)
-        if "Content-Length" not in headers: self.send_header("Content-Length", str(len(data)))
+        for k, v in headers.items():
+            self.send_header(k, v)
+        if "Content-Length" not in headers:
+            self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        if body: self.wfile.write(data)
+        if body:
+            self.wfile.write(data)
 
-    def do_HEAD(self): self.reply(body=False)
-    def do_GET(self): self.reply(body=True)
+    def do_HEAD(self):
+        self.reply(body=False)
+
+    def do_GET(self):
+        self.reply(body=True)
 
 # %% ../nbs/00d_hub_fixture.ipynb #a6a14b26
 class LoopbackHub:
-    "The repositories under `root` (`root/owner/name/...`) as the hub serves them, on 127.0.0.1; `with` it, huggingface_hub talks to it."
-    def __init__(self, root,          # a folder of `owner/name` folders
-                 cache_dir=None):     # where downloads go while it is in use (None: a temporary folder)
+    "The repositories under `root` (`root/owner/name/...`) served as the hub serves them, on 127.0.0.1."
+
+    def __init__(
+        self,
+        root,  # a folder of `owner/name` folders
+        cache_dir=None,  # where downloads go while it is in use (None: a temporary folder)
+    ):
         self.root, self.cache_dir, self.requests = Path(root), cache_dir, []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (_Handler,), {"hub": self}))
         self.url = f"http://127.0.0.1:{self.server.server_port}"
 
-    def files(self, repo:str)->list:
+    def files(self, repo: str) -> list:
         "The files of `repo`, as paths relative to its folder."
-        folder = self.root/repo
+        folder = self.root / repo
         return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
 
-    def answer(self, method:str, url:str, range_header:str|None=None)->tuple:
+    def answer(self, method: str, url: str, range_header: str | None = None) -> tuple:
         "`(status, headers, body)` for one request."
         path = unquote(urlsplit(url).path).strip("/")
         self.requests.append((method, "/" + path, range_header))
         parts = path.split("/")
         api = parts[:2] == ["api", "models"]
         repo, rest = "/".join(parts[2:4] if api else parts[:2]), parts[4:] if api else parts[2:]
-        if len(repo.split("/")) != 2 or not (self.root/repo).is_dir(): return self.error(404, "RepoNotFound", f"no repository {repo}")
-        if not api and (len(rest) < 3 or rest[0] != "resolve"): return self.error(404, "EntryNotFound", f"no route /{path}")
+        if len(repo.split("/")) != 2 or not (self.root / repo).is_dir():
+            return self.error(404, "RepoNotFound", f"no repository {repo}")
+        if not api and (len(rest) < 3 or rest[0] != "resolve"):
+            return self.error(404, "EntryNotFound", f"no route /{path}")
         revision = rest[1] if len(rest) > 1 else "main"
-        if revision not in ("main", COMMIT): return self.error(404, "RevisionNotFound", f"no revision {revision} in {repo}")
+        if revision not in ("main", COMMIT):
+            return self.error(404, "RevisionNotFound", f"no revision {revision} in {repo}")
         if api and rest[:1] == ["tree"]:
-            return self.json([{"type": "file", "path": f, "size": (self.root/repo/f).stat().st_size, "oid": COMMIT} for f in self.files(repo)])
-        if api: return self.json({"id": repo, "modelId": repo, "sha": COMMIT, "siblings": [{"rfilename": f} for f in self.files(repo)]})
-        f = self.root/repo/"/".join(rest[2:])
-        if not f.is_file(): return self.error(404, "EntryNotFound", f"no file {'/'.join(rest[2:])} in {repo}")
+            return self.json(
+                [
+                    {"type": "file", "path": f, "size": (self.root / repo / f).stat().st_size, "oid": COMMIT}
+                    for f in self.files(repo)
+                ]
+            )
+        if api:
+            return self.json(
+                {"id": repo, "modelId": repo, "sha": COMMIT, "siblings": [{"rfilename": f} for f in self.files(repo)]}
+            )
+        f = self.root / repo / "/".join(rest[2:])
+        if not f.is_file():
+            return self.error(404, "EntryNotFound", f"no file {'/'.join(rest[2:])} in {repo}")
         headers, span = file_entry(f), byte_range(range_header, f.stat().st_size)
-        if method == "HEAD": return 200, headers, b""
+        if method == "HEAD":
+            return 200, headers, b""
         data = f.read_bytes()
-        if span is None: return 200, headers, data
+        if span is None:
+            return 200, headers, data
         first, last = span
         headers.update({"Content-Length": str(last - first + 1), "Content-Range": f"bytes {first}-{last}/{len(data)}"})
-        return 206, headers, data[first:last + 1]
+        return 206, headers, data[first : last + 1]
 
-    def json(self, obj)->tuple: return 200, {"Content-Type": "application/json"}, json.dumps(obj).encode()
+    def json(self, obj) -> tuple:
+        return 200, {"Content-Type": "application/json"}, json.dumps(obj).encode()
 
-    def error(self, status:int, code:str, message:str)->tuple:
-        return status, {"X-Error-Code": code, "X-Error-Message": message, "Content-Type": "application/json"}, json.dumps({"error": message}).encode()
+    def error(self, status: int, code: str, message: str) -> tuple:
+        return (
+            status,
+            {"X-Error-Code": code, "X-Error-Message": message, "Content-Type": "application/json"},
+            json.dumps({"error": message}).encode(),
+        )
 
 # %% ../nbs/00d_hub_fixture.ipynb #c2d11fc6
-def _patches(hub)->dict:
+def _patches(hub) -> dict:
     "What `LoopbackHub` changes in huggingface_hub while it is in use: (object, attribute) → value."
     from huggingface_hub import constants, hf_api
-    return {(constants, "ENDPOINT"): hub.url, (constants, "HUGGINGFACE_CO_URL_TEMPLATE"): hub.url + "/{repo_id}/resolve/{revision}/{filename}",
-            (constants, "HF_HUB_OFFLINE"): False, (constants, "HF_HUB_CACHE"): str(hub.cache_dir), (hf_api.api, "endpoint"): hub.url}
+
+    return {
+        (constants, "ENDPOINT"): hub.url,
+        (constants, "HUGGINGFACE_CO_URL_TEMPLATE"): hub.url + "/{repo_id}/resolve/{revision}/{filename}",
+        (constants, "HF_HUB_OFFLINE"): False,
+        (constants, "HF_HUB_CACHE"): str(hub.cache_dir),
+        (hf_api.api, "endpoint"): hub.url,
+    }
+
 
 @patch
-def __enter__(self:LoopbackHub)->LoopbackHub:
+def __enter__(self: LoopbackHub) -> LoopbackHub:
     "Serve, and point huggingface_hub here."
     self._tmp = None if self.cache_dir else tempfile.TemporaryDirectory()
-    if self._tmp: self.cache_dir = Path(self._tmp.name)
+    if self._tmp:
+        self.cache_dir = Path(self._tmp.name)
     self._saved = {k: getattr(*k) for k in _patches(self)}
     self._env = {k: os.environ.get(k) for k in ("HF_ENDPOINT", "HF_HUB_CACHE", "HF_HUB_OFFLINE")}
-    for (obj, name), v in _patches(self).items(): setattr(obj, name, v)
+    for (obj, name), v in _patches(self).items():
+        setattr(obj, name, v)
     os.environ.update(HF_ENDPOINT=self.url, HF_HUB_CACHE=str(self.cache_dir))
     os.environ.pop("HF_HUB_OFFLINE", None)
     self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
     self._thread.start()
     return self
 
+
 @patch
-def __exit__(self:LoopbackHub, *exc):
+def __exit__(self: LoopbackHub, *exc):
     "Stop serving; huggingface_hub and the environment as they were."
     self.server.shutdown()
     self.server.server_close()
-    for (obj, name), v in self._saved.items(): setattr(obj, name, v)
+    for (obj, name), v in self._saved.items():
+        setattr(obj, name, v)
     for k, v in self._env.items():
-        if v is None: os.environ.pop(k, None)
-        else: os.environ[k] = v
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     if self._tmp:
         self._tmp.cleanup()
         self.cache_dir = None

@@ -12,12 +12,12 @@ __all__ = ['LAYER_IDS', 'BLOCK', 'GAMMA', 'PROMPT', 'NEW', 'MASK_ID', 'greedy_co
 # %% ../nbs/05r_train_dflash.ipynb #b9e56a7b
 import time
 import numpy as np
-import mlx.core as mx, mlx.nn as nn, mlx.optimizers as optim
+import mlx.core as mx, mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from .tap import Tap, text_model
 from .sources.base import output_head
 from .sources.dflash import DFlash, DFlashProvider, random_dflash
-from .train_head import lr_at, target_batch, windows
+from .train_head import fit, target_batch, windows
 
 # %% ../nbs/05r_train_dflash.ipynb #9baf70d7
 LAYER_IDS, BLOCK, GAMMA, PROMPT, NEW, MASK_ID = [1, 3, 4], 16, 7.0, 64, 64, 2
@@ -134,20 +134,9 @@ def train_dflash(target,                # the frozen target (an mlx-lm model)
     as_mx = lambda d, i: (mx.array(d["x"][i]), mx.array(d["f"][i]).astype(mx.float32), mx.array(d["y"][i]))
     hd = data["heldout"]
     held = (*as_mx(hd, np.arange(len(hd["x"]))), draw_anchors(np.random.default_rng(1234), len(hd["x"]), anchors, lo, hi))
-    opt = optim.AdamW(learning_rate=peak_lr, weight_decay=0.01)
-    grad = nn.value_and_grad(drafter, lambda d, x, f, y, a: block_losses(d, target, f, x, y, a, gamma)[0])
-    hist, t0, run = [], time.time(), []
-    for step in range(steps + 1):
-        if step % eval_every == 0 or step == steps:
-            hist.append(dict(step=step, blocks=step * batch * anchors, wall_s=round(time.time() - t0, 1),
-                             train_loss=round(float(np.mean(run)), 4) if run else None, **eval_dflash(drafter, target, held, gamma)))
-            run = []
-            if log: log(hist[-1])
-        if step == steps: break
-        opt.learning_rate = lr_at(step, steps, peak_lr)
+    def draw():
         x, f, y = as_mx(data["train"], np.sort(rng.choice(len(data["train"]["x"]), batch, replace=False)))
-        loss, g = grad(drafter, x, f, y, draw_anchors(rng, batch, anchors, lo, hi))
-        opt.update(drafter, g)
-        mx.eval(drafter.parameters(), opt.state, loss)
-        run.append(loss.item())
-    return hist
+        return x, f, y, draw_anchors(rng, batch, anchors, lo, hi)
+    return fit(drafter, lambda d, x, f, y, a: block_losses(d, target, f, x, y, a, gamma)[0],
+               (draw() for _ in range(steps)), steps, lambda d: eval_dflash(d, target, held, gamma), peak_lr, eval_every=eval_every,
+               seen=lambda step: {"blocks": step * batch * anchors}, train_loss=True, log=log)

@@ -11,12 +11,12 @@ __all__ = ['greedy_vocab', 'draft_ids', 'norm_scale', 'new_eagle3', 'unrolled_ea
 # %% ../nbs/05o_train_eagle3.ipynb #ebe0a850
 import math, time
 import numpy as np
-import mlx.core as mx, mlx.nn as nn, mlx.optimizers as optim
-from mlx.utils import tree_flatten
+import mlx.core as mx
 from .tap import Tap, text_model
 from .sources.base import output_head, output_layer
 from .sources.eagle3 import Eagle3, Eagle3Provider, read_eagle3
-from .train_head import BATCH, SEQ, STEPS_UNROLLED, UnrollCache, lr_at, pick_draft_vocab, target_batch, unroll_mask, windows
+from .train_head import BATCH, SEQ, STEPS_UNROLLED, UnrollCache, fit, pick_draft_vocab, step_figures, target_batch
+from .train_head import unroll_mask, windows
 
 # %% ../nbs/05o_train_eagle3.ipynb #535c28c1
 def greedy_vocab(target, stream, k:int, n:int=512, seq:int=256, seed:int=0)->np.ndarray:
@@ -106,8 +106,8 @@ def draft_labels(target, tap, x, ids,
 # %% ../nbs/05o_train_eagle3.ipynb #448918b2
 def eval_row(drafter:Eagle3, held:tuple, step:int, positions:int, t0:float, unroll:int)->dict:
     "One line of the training history: held-out cross-entropy and agreement per draft step."
-    ce, agree = eagle3_losses(drafter, *held, unroll)
-    return dict(step=step, tokens=positions, wall_s=round(time.time() - t0, 1), loss=[round(c.item(), 4) for c in ce], agree=[round(a.item(), 4) for a in agree])
+    figures = step_figures(*eagle3_losses(drafter, *held, unroll))
+    return dict(step=step, tokens=positions, wall_s=round(time.time() - t0, 1), **figures)
 
 def train_eagle3(target,                # the frozen target (an mlx-lm model)
                  drafter:Eagle3,        # the drafter to train (`new_eagle3`), in place
@@ -123,16 +123,8 @@ def train_eagle3(target,                # the frozen target (an mlx-lm model)
     def draw(stream, n, r, best=False):
         x = windows(stream, n, r, seq + unroll)
         return (x, *(draft_labels(target, tap, x, ids, best) if vocab_only else target_batch(target, tap, x)))
-    held, opt = draw(data["heldout"], 16, np.random.default_rng(1234), best=True), optim.AdamW(learning_rate=peak_lr, weight_decay=0.01)
-    grad = nn.value_and_grad(drafter, lambda d, x, f, t: sum(eagle3_losses(d, x, f, t, unroll)[0]) / unroll)
-    hist, t0 = [], time.time()
-    for step in range(steps + 1):
-        if step % eval_every == 0 or step == steps:
-            hist.append(eval_row(drafter, held, step, step * batch * seq, t0, unroll))
-            if log: log(hist[-1])
-        if step == steps: break
-        opt.learning_rate = lr_at(step, steps, peak_lr, warmup)
-        loss, g = grad(drafter, *draw(data["train"], batch, rng))
-        opt.update(drafter, g)
-        mx.eval(drafter.parameters(), opt.state, loss)
-    return hist
+    held = draw(data["heldout"], 16, np.random.default_rng(1234), best=True)
+    return fit(drafter, lambda d, x, f, t: sum(eagle3_losses(d, x, f, t, unroll)[0]) / unroll,
+               (draw(data["train"], batch, rng) for _ in range(steps)), steps,
+               lambda d: step_figures(*eagle3_losses(d, *held, unroll)), peak_lr, warmup, eval_every=eval_every,
+               seen=lambda step: {"tokens": step * batch * seq}, log=log)

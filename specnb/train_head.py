@@ -6,7 +6,8 @@ Docs: https://specnb.github.io/specnb/train_head.html.md"""
 
 # %% auto #0
 __all__ = ['STEPS_UNROLLED', 'SEQ', 'BATCH', 'TAPS', 'UnrollCache', 'unroll_mask', 'readout', 'target_batch', 'unrolled',
-           'windows', 'lr_at', 'losses', 'extract', 'pick_draft_vocab', 'batch_of', 'train_head']
+           'warmup_cosine', 'lr_at', 'fit', 'step_figures', 'windows', 'losses', 'extract', 'pick_draft_vocab',
+           'batch_of', 'train_head']
 
 # %% ../nbs/05f_train_head.ipynb #83e9f6bb
 import time
@@ -48,6 +49,68 @@ def unrolled(head, target, x, feats, steps, rows=None):
         out.append(readout(head, target, f, rows))
     return out
 
+# %% ../nbs/05f_train_head.ipynb #87d54ad7
+def warmup_cosine(
+    steps: int,  # optimizer steps in the run
+    peak: float,  # the learning rate at the end of the warm-up
+    warmup: int = 50,  # steps of linear warm-up, from peak/warmup up to peak
+    floor: float = 0.1,  # the cosine ends at floor · peak
+):
+    "The learning rate at each optimizer step: a linear warm-up, then a cosine decay (an `mlx.optimizers` schedule)."
+    decay = optim.cosine_decay(peak, max(1, steps - warmup), floor * peak)
+    if warmup <= 0:
+        return decay
+    return optim.join_schedules([optim.linear_schedule(peak / warmup, peak, max(1, warmup - 1)), decay], [warmup])
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int = 50, floor: float = 0.1) -> float:
+    "`warmup_cosine`'s rate at `step`, as a number (for a loop that sets its optimizer's rate itself)."
+    return warmup_cosine(steps, peak, warmup, floor)(step).item()
+
+# %% ../nbs/05f_train_head.ipynb #76180781
+def fit(
+    model: nn.Module,  # trained in place: its trainable parameters (frozen ones stay)
+    loss_fn,  # (model, *batch) → the scalar loss
+    batches,  # an iterable of training batches (argument tuples for `loss_fn`), one per step
+    steps: int,
+    evaluate,  # model → a dict of held-out figures, one row of the curve
+    peak_lr: float = 2e-3,
+    warmup: int = 50,
+    floor: float = 0.1,
+    weight_decay: float = 0.01,
+    eval_every: int = 100,  # a row of the curve at step 0, every this many steps, and at the end
+    seen=None,  # step → a dict of what training has read by then (e.g. `{"tokens": step * 1024}`)
+    train_loss: bool = False,  # also record the mean training loss since the last row
+    log=print,
+) -> list:
+    "Train `model` for `steps` AdamW steps on `warmup_cosine`; returns the learning curve, its rows in order."
+    opt = optim.AdamW(learning_rate=warmup_cosine(steps, peak_lr, warmup, floor), weight_decay=weight_decay)
+    grad = nn.value_and_grad(model, loss_fn)
+    batches, hist, run, t0 = iter(batches), [], [], time.time()
+    for step in range(steps + 1):
+        if step % eval_every == 0 or step == steps:
+            figures = evaluate(model)
+            row = dict(step=step, **(seen(step) if seen else {}), wall_s=round(time.time() - t0, 1))
+            if train_loss:
+                row["train_loss"] = round(float(np.mean(run)), 4) if run else None
+            hist.append(row | figures)
+            run = []
+            if log:
+                log(hist[-1])
+        if step == steps:
+            break
+        loss, g = grad(model, *next(batches))
+        opt.update(model, g)
+        mx.eval(model.parameters(), opt.state, loss)
+        if train_loss:
+            run.append(loss.item())
+    return hist
+
+
+def step_figures(ce: list, agree: list) -> dict:
+    "A row's held-out cross-entropy and agreement per draft step, rounded."
+    return dict(loss=[round(c.item(), 4) for c in ce], agree=[round(a.item(), 4) for a in agree])
+
 # %% ../nbs/05f_train_head.ipynb #f7d02b53
 STEPS_UNROLLED, SEQ, BATCH, TAPS = 3, 128, 8, [1, 3, 5]
 
@@ -58,10 +121,6 @@ def windows(stream, n, rng, seq):
         return mx.array(np.stack([stream[r, s:s + seq] for r, s in zip(rows, starts)]).astype(np.int32))
     starts = rng.integers(0, len(stream) - seq, size=n)
     return mx.array(np.stack([stream[s:s + seq] for s in starts]).astype(np.int32))
-
-def lr_at(step, steps, peak, warmup=50, floor=0.1):
-    if step < warmup: return peak * (step + 1) / warmup
-    return peak * (floor + (1 - floor) * 0.5 * (1 + np.cos(np.pi * (step - warmup) / max(1, steps - warmup))))
 
 def losses(head, target, x, feats, labels, steps=STEPS_UNROLLED, rows=None):
     """Cross-entropy to the target per unrolled step, and the top-1 agreement per step. `labels`: the target's log-probabilities
@@ -133,21 +192,11 @@ def train_head(target,               # the frozen target (an mlx-lm model)
         taps = TAPS if taps is None else taps
         head = DraftHead(HeadConfig.for_target(target, taps, draft_vocab=draft_vocab, **head_kw))
         if draft_vocab: head.d2t = pick_draft_vocab(data["train"]["y"] if isinstance(data["train"], dict) else data["train"], draft_vocab)
-    rows = head.vocab_rows(target)
-    tap, opt = Tap(target, taps), optim.AdamW(learning_rate=peak_lr, weight_decay=0.01)
+    rows, tap = head.vocab_rows(target), Tap(target, taps)
     held = batch_of(target, tap, data["heldout"], 16, np.random.default_rng(1234), seq)
-    grad = nn.value_and_grad(head, lambda h, x, f, t: sum(losses(h, target, x, f, t, rows=rows)[0]) / STEPS_UNROLLED)
-    hist, t0 = [], time.time()
-    for step in range(steps + 1):
-        if step % eval_every == 0 or step == steps:
-            ce, agree = losses(head, target, *held, rows=rows)
-            hist.append(dict(step=step, tokens=step * batch * (held[0].shape[1] - STEPS_UNROLLED), wall_s=round(time.time() - t0, 1),
-                             loss=[round(c.item(), 4) for c in ce], agree=[round(a.item(), 4) for a in agree]))
-            if log: log(hist[-1])
-        if step == steps: break
-        opt.learning_rate = lr_at(step, steps, peak_lr)
-        loss, g = grad(head, *batch_of(target, tap, data["train"], batch, rng, seq))
-        opt.update(head, g)
-        mx.eval(head.parameters(), opt.state, loss)
+    positions = batch * (held[0].shape[1] - STEPS_UNROLLED)
+    hist = fit(head, lambda h, x, f, t: sum(losses(h, target, x, f, t, rows=rows)[0]) / STEPS_UNROLLED,
+               (batch_of(target, tap, data["train"], batch, rng, seq) for _ in range(steps)), steps,
+               lambda h: step_figures(*losses(h, target, *held, rows=rows)), peak_lr, eval_every=eval_every,
+               seen=lambda step: {"tokens": step * positions}, log=log)
     return head, hist
-

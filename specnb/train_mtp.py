@@ -8,13 +8,13 @@ Docs: https://specnb.github.io/specnb/train_mtp.html.md"""
 __all__ = ['new_mtp', 'mtp_batch', 'train_mtp', 'save_mtp']
 
 # %% ../nbs/05s_train_mtp.ipynb #9cc4665b
-import json, time
 from pathlib import Path
 import numpy as np
-import mlx.core as mx, mlx.nn as nn, mlx.optimizers as optim
+import mlx.core as mx
+from .checkpoint import write_checkpoint
 from .tap import Tap
 from .sources.mtp import DeepseekMtp, check_mtp_target, checkpoint_tensors
-from .train_head import BATCH, STEPS_UNROLLED, losses, lr_at, target_batch
+from .train_head import BATCH, STEPS_UNROLLED, fit, losses, step_figures, target_batch
 
 # %% ../nbs/05s_train_mtp.ipynb #b149bdee
 def new_mtp(target,       # the frozen target (an mlx-lm model whose decoder layer 05n can build)
@@ -40,28 +40,15 @@ def train_mtp(target,               # the frozen target (an mlx-lm model)
     "Train `head` on `target`'s last-layer rows and distributions over `data` for `steps` steps; returns the evaluation history."
     mx.random.seed(seed)
     rng, tap = np.random.default_rng(seed), Tap(target, [check_mtp_target(target)])
-    held, opt = mtp_batch(target, tap, data["heldout"], 16, np.random.default_rng(1234)), optim.AdamW(learning_rate=peak_lr, weight_decay=0.01)
-    grad = nn.value_and_grad(head, lambda h, x, f, t: sum(losses(h, target, x, f, t)[0]) / STEPS_UNROLLED)
-    positions, hist, t0 = batch * (data["train"].shape[1] - STEPS_UNROLLED), [], time.time()
-    for step in range(steps + 1):
-        if step % eval_every == 0 or step == steps:
-            ce, agree = losses(head, target, *held)
-            hist.append(dict(step=step, tokens=step * positions, wall_s=round(time.time() - t0, 1),
-                             loss=[round(c.item(), 4) for c in ce], agree=[round(a.item(), 4) for a in agree]))
-            if log: log(hist[-1])
-        if step == steps: break
-        opt.learning_rate = lr_at(step, steps, peak_lr)
-        loss, g = grad(head, *mtp_batch(target, tap, data["train"], batch, rng))
-        opt.update(head, g)
-        mx.eval(head.parameters(), opt.state, loss)
-    return hist
+    held = mtp_batch(target, tap, data["heldout"], 16, np.random.default_rng(1234))
+    positions = batch * (data["train"].shape[1] - STEPS_UNROLLED)
+    return fit(head, lambda h, x, f, t: sum(losses(h, target, x, f, t)[0]) / STEPS_UNROLLED,
+               (mtp_batch(target, tap, data["train"], batch, rng) for _ in range(steps)), steps,
+               lambda h: step_figures(*losses(h, target, *held)), peak_lr, eval_every=eval_every,
+               seen=lambda step: {"tokens": step * positions}, log=log)
 
 # %% ../nbs/05s_train_mtp.ipynb #3e016a45
 def save_mtp(head:DeepseekMtp, target, path, target_config:dict, dtype=mx.float16)->Path:
     "Write `head` into the folder `path` as DeepSeek-V3 stores its MTP layer (floating weights cast to `dtype`), with the target's config and `num_nextn_predict_layers: 1`."
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    w = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in checkpoint_tensors(head, target).items()}
-    mx.save_safetensors(str(path/"model.safetensors"), w, metadata={"format": "pt"})
-    (path/"config.json").write_text(json.dumps({**target_config, "num_nextn_predict_layers": 1}, indent=2))
-    return path
+    config = {**target_config, "num_nextn_predict_layers": 1}
+    return write_checkpoint(path, config, checkpoint_tensors(head, target), dtype, indent=2)

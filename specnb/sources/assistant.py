@@ -13,9 +13,9 @@ __all__ = ['MODEL_TYPE', 'read_assistant', 'Centroids', 'Assistant', 'load_assis
 import json
 from pathlib import Path
 import mlx.core as mx, mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models import gemma4_text
 from mlx_lm.models.cache import KVCache
+from ..checkpoint import read_checkpoint, write_checkpoint
 from ..window import SpecRotatingKVCache
 from ..ragged import RowCache
 from ..tap import arch_name, text_model
@@ -95,11 +95,11 @@ def load_assistant(path)->Assistant:
     "The Gemma 4 assistant in the folder `path` (`config.json`, `*.safetensors`), in float32."
     path = Path(path)
     if not (path/"config.json").is_file(): raise ValueError(f"no Gemma 4 assistant at {path}: expected config.json and model.safetensors")
-    d, w = Assistant(json.loads((path/"config.json").read_text())), {}
-    for f in sorted(path.glob("*.safetensors")): w.update(mx.load(str(f)))
-    if d.cfg.get("tie_word_embeddings", True): w.pop("lm_head.weight", None)
-    if "masked_embedding.token_ordering" in w: w["masked_embedding.token_ordering"] = w["masked_embedding.token_ordering"].astype(mx.int32)
-    d.load_weights(list(w.items()))   # strict: every tensor present, no stray ones
+    def empty(cfg, weights):
+        if cfg.get("tie_word_embeddings", True):
+            weights.pop("lm_head.weight", None)   # a copy of the embedding, never read
+        return Assistant(cfg)
+    d = read_checkpoint(path, empty)   # token_ordering back to int32
     d.set_dtype(mx.float32)
     mx.eval(d.parameters())
     return d
@@ -111,11 +111,7 @@ def is_assistant(path)->bool:
 
 def save_assistant(d:Assistant, path, dtype=mx.float32)->Path:
     "Write `d` into the folder `path` in the published layout: `config.json` and `model.safetensors` (`token_ordering` as int64)."
-    path = Path(path); path.mkdir(parents=True, exist_ok=True)
-    (path/"config.json").write_text(json.dumps(d.cfg, indent=1))
-    w = {k: v.astype(mx.int64 if k.endswith("token_ordering") else dtype) for k, v in tree_flatten(d.parameters())}
-    mx.save_safetensors(str(path/"model.safetensors"), w, metadata={"format": "pt"})
-    return path
+    return write_checkpoint(path, d.cfg, d, dtype)
 
 def assistant_config(target, hidden_size:int=32, layers:int=2, intermediate_size:int=64, num_centroids:int=16, top_k:int=4, ordered:bool=True)->dict:
     "A small `gemma4_assistant` config fitting the `gemma4_text` `target` (tests): its heads, window, RoPE and vocabulary."

@@ -9,17 +9,15 @@ __all__ = ['default_layer_ids', 'DFlashSpec', 'read_dflash', 'is_dflash', 'DFlas
            'load_dflash', 'dflash_config', 'save_dflash', 'random_dflash', 'DFlashSource', 'DFlashProvider']
 
 # %% ../../nbs/05q_dflash.ipynb #a1c1883f
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 import mlx.core as mx, mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 from ..accept import sample_positions
 from .base import TargetView, draft_distribution, draft_tokens, output_head
-from .eagle3 import checkpoint_folder
+from ..checkpoint import read_checkpoint, write_checkpoint
 from .head import check_head_target
 from ..tap import text_model
 
@@ -165,16 +163,9 @@ class DFlash(nn.Module):
 # %% ../../nbs/05q_dflash.ipynb #9134b8bf
 def load_dflash(path)->DFlash:
     "The DFlash drafter in the folder (or hub repository) `path`, its weights loaded strictly."
-    folder = checkpoint_folder(path)
-    spec = read_dflash(json.loads((folder / "config.json").read_text()))
-    weights = {}
-    for f in sorted(folder.glob("*.safetensors")): weights.update(mx.load(str(f)))
-    if not weights: raise ValueError(f"no safetensors weights in {folder}")
-    weights = {k.removeprefix("model."): v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
-    drafter = DFlash(spec, embed="embed_tokens.weight" in weights)
-    drafter.load_weights(list(weights.items()))   # strict: all present, none left over
-    mx.eval(drafter.parameters())
-    return drafter
+    def empty(cfg, weights):
+        return DFlash(read_dflash(cfg), embed="embed_tokens.weight" in weights)   # its own embedding, if it stores one
+    return read_checkpoint(path, empty, rename={"model.": ""}, drop=("rotary_emb.inv_freq",))
 
 def dflash_config(spec:DFlashSpec)->dict:
     "`spec` as a `config.json` in z-lab's layout (a Qwen3 config, `num_target_layers`, `dflash_config`)."
@@ -191,9 +182,7 @@ def dflash_config(spec:DFlashSpec)->dict:
 
 def save_dflash(drafter:DFlash, path, dtype=mx.bfloat16):
     "Write `drafter` into the folder `path` in z-lab's layout (floating weights cast to `dtype`)."
-    path = Path(path); path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(dflash_config(drafter.spec), indent=1))
-    mx.save_safetensors(str(path / "model.safetensors"), {k: v.astype(dtype) for k, v in tree_flatten(drafter.parameters())}, metadata={"format": "pt"})
+    write_checkpoint(path, dflash_config(drafter.spec), drafter, dtype)
 
 def random_dflash(model, layer_ids:list|None=None, block_size:int=8, layers:int=1, heads:int=4, seed:int=0, **kw)->DFlash:
     "An untrained DFlash drafter as wide as `model` (an mlx-lm model), for tests: same seed, same weights; `kw` overrides spec fields."
