@@ -64,8 +64,8 @@ def submit(self:Admission, *jobs:Job):
     need, room, job = held_by([j.reserved for j in jobs]), self.room(), jobs[0]
     if need > room:
         n = f"n = {len(jobs)} choices of " if len(jobs) > 1 else ""
-        raise APIError(400, f"this request would hold about {mib(need)} ({n}{len(job.prompt)} prompt tokens + max_tokens "
-                       f"{job.max_tokens}), more than the {mib(max(room, 0))} this server's memory budget "
+        raise APIError(400, f"this request would hold about {mib(need)} ({n}{len(job.prompt)} prompt tokens + "
+                       f"max_tokens {job.max_tokens}), more than the {mib(max(room, 0))} this server's memory budget "
                        f"({mib(self.budget)}) leaves beside its weights; lower max_tokens{', n' if n else ''} "
                        "or shorten the prompt", "max_tokens", "memory_budget_exceeded")
     if len(self.live) + len(jobs) > self.max_batch_size + self.max_queue:

@@ -87,7 +87,7 @@ def unavailable(broken:str)->APIError:
                     type="server_error", code="unavailable")
 
 class Engine:
-    "The model worker: one thread runs queued requests through a runner — one at a time, or batched — within a memory budget."
+    "The model worker: one thread runs queued requests through a runner — one at a time, or batched — within a budget."
     def __init__(self, pair, provider=None, *, model_id:str="specnb-bundled", draft_kind:str="two-model",
                  num_draft_tokens:int=3, max_queue:int=ServeOptions.max_queue,
                  prompt_cache_size:int=ServeOptions.prompt_cache_size, max_tokens:int=ServeOptions.max_tokens,
@@ -95,7 +95,7 @@ class Engine:
                  acceptance:str="match", max_context:int|None=None, memory_budget:int|None=None,
                  prompt_cache_bytes:int|None=None, request_timeout:float|None=None,
                  prefill_step_size:int=ServeOptions.prefill_step_size,
-                 max_batch_size:int=1,   # one at a time unless asked: `specnb serve` asks for ServeOptions.max_batch_size
+                 max_batch_size:int=1,   # one at a time unless asked: `specnb serve` asks for its default, 8
                  coordinator=None):      # the target split over ranks: what makes them run each job together (08b)
         self.model, self.tokenizer, self.provider, self.draft_kind = pair.target, pair.tokenizer, provider, draft_kind
         context = least(context_length(self.model), max_context)

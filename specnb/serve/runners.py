@@ -28,7 +28,7 @@ log = logging.getLogger("specnb.serve")
 # %% ../../nbs/08eb_runners.ipynb #0c46a048
 @dataclass(eq=False)
 class _Run:
-    "A job as a runner runs it: its drafting, the caches it starts from (a prompt-cache hit holds `n_cached` of its tokens), its text sink."
+    "A job as a runner runs it: its drafting, the caches it starts from (a hit holds `n_cached` tokens), its text sink."
     job: Job
     provider: object               # what it drafts with (`Runner.provider_for`); None: plain decoding
     target_cache: list
@@ -42,7 +42,8 @@ class _Run:
 
 class Runner:
     "The worker's loop (`work`), and what every runner does with one job: open it, give it to the executor, answer it."
-    def __init__(self, engine): self.engine = engine   # its model, provider, prompt cache, metrics, admission and `fail`
+    def __init__(self, engine):
+        self.engine = engine   # its model, provider, prompt cache, metrics, admission and `fail`
     def work(self): raise NotImplementedError
 
     def provider_for(self, job:Job):
@@ -59,7 +60,7 @@ def open_run(self:Runner, job:Job)->_Run:
     provider = self.provider_for(job) if job.num_draft_tokens > 0 else None
     space = "plain" if provider is None else "spec"
     if job.group is not None and not job.group.prefilled and e.coordinator is None: self.share_prefill(job, provider)
-    if job.prompt_logprobs is not None: target_cache, draft_cache, n_cached = None, None, 0   # every prompt token scored
+    if job.prompt_logprobs is not None: target_cache, draft_cache, n_cached = None, None, 0   # every token scored
     else: target_cache, draft_cache, n_cached = e.cache.fetch(space, job.prompt)
     if target_cache is None: target_cache = make_prompt_cache(e.model)   # the executor makes it one that rolls back
     first = lambda: e.metrics.ttft.observe(time.perf_counter() - job.queued_at)
@@ -67,7 +68,7 @@ def open_run(self:Runner, job:Job)->_Run:
 
 @patch
 def share_prefill(self:Runner, job:Job, provider):
-    "The first of a request's `n` choices to start reads the prompt into the prompt cache, for every choice to start from."
+    "The first of a request's `n` choices to start reads the prompt into the prompt cache, for every choice."
     e = self.engine
     job.group.prefilled = True
     space = "plain" if provider is None else "spec"
@@ -103,7 +104,7 @@ def _emit_text(run:_Run, stream)->str|None:
 
 @patch
 def run(self:Runner, job:Job):
-    "Generate one job's tokens on the calling thread, emitting its events; the prefill stops within a chunk when it should."
+    "Generate one job's tokens on the calling thread, emitting its events; a prefill stops within a chunk."
     e = self.engine
     with nullcontext() if e.coordinator is None else e.coordinator.running(e, job):   # every rank at once
         run = self.open_run(job)
@@ -115,10 +116,10 @@ def run(self:Runner, job:Job):
 
 @patch
 def answer(self:Runner, run:_Run, res, finish:str|None):
-    "Keep the job's caches in the prompt cache, count it, and send its last event: done with usage, or the server's error."
+    "Keep the job's caches in the prompt cache, count it, and send its last event: done with usage, or an error."
     job, e = run.job, self.engine
     m = e.metrics
-    if e.coordinator is not None: e.coordinator.agree_tokens(res.tokens)   # every rank's, before the prompt cache keeps them
+    if e.coordinator is not None: e.coordinator.agree_tokens(res.tokens)   # every rank's, before they are kept
     finish = finish or res.finish_reason or "length"
     whole = res.finish_reason != "cancelled"   # "cancelled" by the executor: a cut-short prefill, part of the prompt
     if whole and (not run.speculate or res.draft_cache is not None):   # None: the draft was dropped
