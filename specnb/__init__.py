@@ -8,12 +8,16 @@ import importlib
 from .blas import load_openblas
 load_openblas()
 
+# Modules that moved keep their old names for one release (see nbs/99_moved.ipynb): an import hook, importing nothing.
+from .moved import install_moved
+install_moved()
+
 # The public names, each loaded from its module on first use: `import specnb` (and `specnb --help`) pulls in no MLX,
 # mlx-lm or torch until a name that needs them is touched.
 _LAZY = {
     "Sampling": "accept",
     **dict.fromkeys(["spec_generate", "spec_stream", "generate", "SpecResult", "SpecStats", "SpecStream"], "executor"),
-    **dict.fromkeys(["spec_generate_batch", "Batch"], "batch"),
+    **dict.fromkeys(["spec_generate_batch", "Batch"], "batching.rounds"),
     **dict.fromkeys(["DraftProvider", "DraftSource", "TargetView", "NoDraft"], "sources.base"),
     "TwoModelProvider": "sources.two_model",
     "NgramProvider": "sources.ngram",

@@ -22,8 +22,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from .models import load_pair, ModelPair, gemma3_270m, smollm2
 from .blas import blas_in_use
 from .prefill import prefill_drain
-from .rollback import rollback
-from .window import make_spec_cache
+from .caches.rollback import rollback
+from .caches.window import make_spec_cache
 from .sources.base import TargetView
 from .sources.registry import KINDS, find_kind, make_provider, published_kind, refuse_unread
 from .tap import Tap

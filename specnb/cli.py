@@ -145,7 +145,7 @@ def main(argv=None):
     try:
         if args.command == "generate": cmd_generate(args)
         if args.command == "serve" and (ranks := _ranks(args, sys.stderr)):
-            from specnb.serve_distributed import cmd_serve_ranks   # rank 0 serves HTTP, the other ranks follow it
+            from specnb.serve.ranks import cmd_serve_ranks   # rank 0 serves HTTP, the other ranks follow it
             cmd_serve_ranks(args, ranks)
         elif args.command == "serve":
             from specnb.serve import cmd_serve   # the server's stack (FastAPI, uvicorn) loads only for `serve`

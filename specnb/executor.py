@@ -20,8 +20,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from .prefill import prefill_drain
 from .verify import verify_forward
 from .accept import accept_walk, sample_one, processed_logits, position_logprobs
-from .rollback import can_take, check_rollbackable, rollback
-from .recurrent import spec_cache
+from .caches.rollback import can_take, check_rollbackable, rollback
+from .caches.recurrent import spec_cache
 from .sources.base import TargetView
 from .tap import Tap
 

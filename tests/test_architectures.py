@@ -6,7 +6,7 @@ import random
 import mlx.core as mx, pytest
 from specnb import generate, spec_generate
 from specnb.models import model_from_config, perturbed
-from specnb.recurrent import tiny_hybrid
+from specnb.caches.recurrent import tiny_hybrid
 from specnb.tap import text_model
 from specnb.sources.head import random_head
 from specnb.sources.eagle3 import random_eagle3
@@ -104,7 +104,7 @@ def test_architecture_sweep(arch):
 def test_batched_sliding(arch):
     """Batched rounds on each sliding-window architecture (issue 31), window 8: five requests of 2 to 40 tokens, three at a time,
     joining mid-stream, with two-model, prompt lookup and plain decoding — each request's tokens and `fed` equal `spec_generate` alone."""
-    from specnb.batch import spec_generate_batch
+    from specnb.batching.rounds import spec_generate_batch
     from specnb.sources.ngram import NgramProvider
     from specnb.sources.two_model import TwoModelProvider
     target, draft, *_ = models(arch, 8)
@@ -120,7 +120,7 @@ def batched_equals_alone(target, provs:list, seed:int):
     """Six requests of 2 to 40 tokens on `target`, drafting with `provs` (one each), three at a time, joining mid-stream, greedy
     and seeded sampled: each request's tokens, accepted lengths, finish reason and `fed` equal `spec_generate` alone."""
     from specnb import Sampling
-    from specnb.batch import spec_generate_batch
+    from specnb.batching.rounds import spec_generate_batch
     rng = random.Random(seed)
     prompts = [prompt_for(rng, 20)[:n] for n in (2, 9, 17, 26, 33, 40)]
     opts = [dict(num_draft_tokens=g, max_tokens=n, prefill_step_size=s) for g, n, s in zip([3, 2, 5, 1, 4, 6], [20, 17, 24, 12, 22, 15], [5, 7, 4, 6, 9, 8])]
@@ -134,11 +134,11 @@ def batched_equals_alone(target, provs:list, seed:int):
         assert [key(r) for r in batched] == [key(r) for r in alone], sampler
 
 # Batched rounds on every hybrid and recurrent family (greedy and seeded sampled, requests joining mid-stream, each equal to
-# its run alone) are nbs/04e_ragged_state.ipynb's gate, over `specnb.recurrent.HYBRIDS`; this file does not run them again.
+# its run alone) are nbs/04e_ragged_state.ipynb's gate, over `specnb.caches.recurrent.HYBRIDS`; this file does not run them again.
 
 def test_batched_recurrent_refused():
     "A layer whose recurrent state batched rounds cannot hold per row (Baichuan-M1's attention, keeping state beside its KV cache) is refused up front, naming it."
-    from specnb.batch import check_batchable
+    from specnb.batching.rounds import check_batchable
     cfg = dict(model_type="baichuan_m1", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, rope_theta=1e4, sliding_window=8, sliding_window_layers=[0], conv_window=2, rms_norm_eps=1e-6)
     with pytest.raises(ValueError, match="baichuan_m1.Attention"): check_batchable(model_from_config(cfg))

@@ -2,9 +2,9 @@
 a sliding-window layer's ring is bounded by its window, a recurrent layer's state is constant per row."""
 import pytest
 import mlx.core as mx
-from specnb.batch import Batch
+from specnb.batching.rounds import Batch
 from specnb.models import random_model
-from specnb.recurrent import tiny_hybrid
+from specnb.caches.recurrent import tiny_hybrid
 from specnb.sources.ngram import NgramProvider
 from specnb.serve.memory import held_by, measure_footprints
 

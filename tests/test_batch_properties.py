@@ -5,7 +5,7 @@ rollback length), finish reason and `fed` equal `spec_generate` alone."""
 import mlx.core as mx
 from hypothesis import given, settings, strategies as st, HealthCheck
 from specnb import spec_generate, Sampling
-from specnb.batch import spec_generate_batch
+from specnb.batching.rounds import spec_generate_batch
 from specnb.sources.ngram import NgramProvider
 from specnb.sources.two_model import TwoModelProvider
 from test_architectures import models

@@ -8,7 +8,7 @@ import json, re
 import httpx, jsonschema, pytest, schemathesis
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 from schemathesis.engine import events
-from specnb.harness import serve_process
+from specnb.serve.harness import serve_process
 
 pytestmark = pytest.mark.xdist_group("test_fuzz")   # the tests share module-scoped servers: one worker, in order
 

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specnb import spec_generate, TwoModelProvider
 from specnb.models import load_pair, bundled_dir, PROBE
 from specnb.blas import OPENBLAS
-from specnb.harness import running_server, serve_process
+from specnb.serve.harness import running_server, serve_process
 from specnb.cli import refusal
 
 # The tests here share module-scoped servers: one worker runs them all, in the order written (`--dist loadgroup`; other files' tests run beside them on the other worker).
@@ -387,8 +387,8 @@ def test_bad_start_up_fails_with_one_line(args, says, foreign_draft, fast_env):
     assert err.startswith("specnb: error:") and says in err and "Traceback" not in err, err
 
 def test_the_server_imports_no_http_client_and_no_cli():
-    "Talking HTTP to a server is the harness's job (`specnb.harness`), and the CLI sits above the server: importing the server loads neither."
-    code = "import sys, specnb.serve; print(sorted(m for m in ('httpx', 'specnb.harness', 'specnb.cli') if m in sys.modules))"
+    "Talking HTTP to a server is the harness's job (`specnb.serve.harness`), and the CLI sits above the server: importing the server loads neither."
+    code = "import sys, specnb.serve; print(sorted(m for m in ('httpx', 'specnb.serve.harness', 'specnb.cli') if m in sys.modules))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert (r.returncode, r.stdout.strip()) == (0, "[]"), (r.stdout, r.stderr[-2000:])
 
@@ -451,7 +451,7 @@ def _save_tiny(folder:Path, cfg:dict, seed:int, noise:float=0.0):
 
 def _tiny_configs(vocab:int)->dict:
     "A llama whose even layers slide over 16 tokens, and a Qwen3-Next hybrid (Gated DeltaNet), with the bundled tokenizer's vocabulary."
-    from specnb.recurrent import HYBRIDS
+    from specnb.caches.recurrent import HYBRIDS
     shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  tie_word_embeddings=False)
     return {"sliding": dict(model_type="llama", **shape, num_hidden_layers=4, rms_norm_eps=1e-5, sliding_window=16,

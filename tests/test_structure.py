@@ -78,7 +78,7 @@ def n_lines(rel:str)->int: return len((ROOT/rel).read_text().splitlines())
 
 def test_the_checker_sees_private_imports(tmp_path, monkeypatch):
     "The rule's own gate: each way of reaching another module's private name is caught, public and allowed ones are not."
-    src = ("from .executor import spec_generate, _run\nfrom ..rollback import leaves\nfrom specnb.rollback import _room\n"
+    src = ("from .executor import spec_generate, _run\nfrom ..rollback import leaves\nfrom specnb.caches.rollback import _room\n"
            "from . import executor\nexecutor._round(r, 2)\nimport specnb.tap as tp\ntp._x\n"
            "from mlx_lm.models.cache import _BaseCache\nfrom mlx_lm.utils import _hidden\nfrom .executor import __all__\n")
     (tmp_path/"specnb"/"sources").mkdir(parents=True)
@@ -88,7 +88,7 @@ def test_the_checker_sees_private_imports(tmp_path, monkeypatch):
     (tmp_path/"specnb"/"sources"/"__init__.py").write_text("")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert [w for _, w in private_uses("specnb/sources/probe.py")] == [
-        "from specnb.sources.executor import _run", "from specnb.rollback import _room", "executor._round", "tp._x",
+        "from specnb.sources.executor import _run", "from specnb.caches.rollback import _room", "executor._round", "tp._x",
         "from mlx_lm.utils import _hidden"]
 
 def test_no_module_imports_another_modules_private_names():
@@ -132,3 +132,30 @@ def test_no_import_cycle():
         for n in sorted(graph.get(m, ())): visit(n)
         path.pop(); done.add(m)
     for m in sorted(graph): visit(m)
+
+# The package by concern (issue #42): a module at the top is the executor, one of its phases, or something every package
+# uses; the rest live in the package of their concern. A new top-level module, or a new package, is a decision made here.
+TOP_LEVEL = {   # module -> its job
+    "executor": "the one loop and its phase API", "prefill": "the prefill drain", "verify": "the verify forward",
+    "accept": "the accept walk and the sampler", "tap": "the target's hidden states", "grammar": "grammar masks in the walk",
+    "models": "loading models, the bundled pair, tiny random models", "gguf": "GGUF files to mlx-lm folders",
+    "blas": "the OpenBLAS fast path", "checkpoint": "one reader/writer for every published drafter format",
+    "hub_fixture": "a loopback Hugging Face hub for tests", "gates": "the distribution gates", "oracle": "mlx-lm as the oracle",
+    "detok": "streaming text", "distributed": "ranks of an mlx.launch job", "cli": "the `specnb` command",
+    "serve_options": "every `specnb serve` option once (read by the CLI without loading the server)",
+    "bench": "`specnb bench`", "widget": "the live view", "moved": "old module names, for one release",
+}
+PACKAGES = {"caches": "the caches and their rollback", "sources": "draft sources and their seam", "train": "training drafters",
+            "batching": "batched rounds and the drafts that join them", "serve": "the server, its ranks and its test harness"}
+
+def test_layout_by_concern():
+    top = {p.stem for p in PKG.glob("*.py") if p.stem not in ("__init__", "_modidx")}
+    packages = {p.name for p in PKG.iterdir() if (p/"__init__.py").exists()}
+    assert top == set(TOP_LEVEL), f"top-level modules not in TOP_LEVEL: {top - set(TOP_LEVEL)}; gone: {set(TOP_LEVEL) - top}"
+    assert packages == set(PACKAGES), f"packages not in PACKAGES: {packages - set(PACKAGES)}; gone: {set(PACKAGES) - packages}"
+
+def test_moved_names_are_not_files():
+    "A moved module's old name is only an alias (specnb.moved): a file left behind would shadow the module it moved to."
+    from specnb.moved import MOVED
+    left = [old for old in MOVED if (PKG/f"{old}.py").exists()]
+    assert not left, f"old modules still on disk: {left}"

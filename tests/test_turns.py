@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from transformers import AutoTokenizer
 from specnb.executor import generate
 from specnb.oracle import forced_logprobs
-from specnb.harness import running_server
+from specnb.serve.harness import running_server
 from specnb.models import gemma3_270m, smollm2
 from specnb.serve.answer import chat_style_folder, qwen_style_folder
 from specnb.serve.requests import choice_seed

@@ -14,7 +14,7 @@ from fastcore.basics import patch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from mlx_lm.models.cache import make_prompt_cache
 from ..executor import context_length
-from ..batch import spec_generate_batch
+from ..batching.rounds import spec_generate_batch
 from ..models import logits_width
 from ..serve_options import ServeOptions
 from .protocol import APIError

@@ -12,7 +12,7 @@ import os, re
 from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, LRUPromptCache, make_prompt_cache
-from ..rollback import can_rollback, rollback
+from ..caches.rollback import can_rollback, rollback
 from ..executor import spec_generate
 
 # %% ../../nbs/08e_memory.ipynb #39240506

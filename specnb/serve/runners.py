@@ -16,7 +16,7 @@ from fastcore.basics import patch
 from mlx_lm.models.cache import make_prompt_cache
 from ..accept import RandomStream
 from ..executor import spec_generate, spec_stream
-from ..batch import Batch
+from ..batching.rounds import Batch
 from ..sources.lookup_first import PredictedProvider
 from .protocol import usage
 from .answer import TextSink

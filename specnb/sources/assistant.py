@@ -16,8 +16,8 @@ import mlx.core as mx, mlx.nn as nn
 from mlx_lm.models import gemma4_text
 from mlx_lm.models.cache import KVCache
 from ..checkpoint import read_checkpoint, write_checkpoint
-from ..window import SpecRotatingKVCache
-from ..ragged import RowCache
+from ..caches.window import SpecRotatingKVCache
+from ..caches.ragged import RowCache
 from ..tap import arch_name, text_model
 from .base import TargetView, draft_distribution, draft_tokens
 

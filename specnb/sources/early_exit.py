@@ -12,8 +12,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache
 from ..tap import arch_name
-from ..window import SpecRotatingKVCache
-from ..recurrent import spec_cache
+from ..caches.window import SpecRotatingKVCache
+from ..caches.recurrent import spec_cache
 from .base import TargetView, draft_distribution, draft_tokens, output_head
 
 # %% ../../nbs/05d_early_exit.ipynb #2d10cdc2

@@ -18,7 +18,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from ..models import bundled_dir
-from ..recurrent import spec_cache
+from ..caches.recurrent import spec_cache
 from ..tap import arch_name, check_tappable, probe_tap, text_model
 from .base import TargetView, draft_distribution, draft_tokens, output_head, output_layer
 

@@ -20,7 +20,7 @@ from mlx_lm.models.base import create_attention_mask
 from ..checkpoint import checkpoint_keys, read_config, read_tensors, write_checkpoint
 # their home before specnb.checkpoint: still importable from here
 from ..checkpoint import hub_file, on_hub, safetensors_names  # noqa: F401
-from ..recurrent import tiny_hybrid
+from ..caches.recurrent import tiny_hybrid
 from ..tap import arch_name, text_model
 from .base import TargetView, output_head
 from .head import HeadSource, check_head_target

@@ -11,8 +11,8 @@ __all__ = ['TwoModelSource', 'check_p_min', 'TwoModelProvider']
 import mlx.core as mx
 from ..models import check_vocab
 from ..prefill import prefill_drain
-from ..rollback import leaves, can_take, rollback
-from ..recurrent import spec_cache
+from ..caches.rollback import leaves, can_take, rollback
+from ..caches.recurrent import spec_cache
 from .base import TargetView, draft_distribution, draft_tokens
 
 # %% ../../nbs/05a_two_model.ipynb #4462334a
