@@ -24,7 +24,7 @@ _LAZY = {
     "AdaptiveProvider": "sources.adaptive",
     "LookupFirstProvider": "sources.lookup_first",
     "EarlyExitProvider": "sources.early_exit",
-    **dict.fromkeys(["HeadProvider", "load_head"], "sources.head"),
+    **dict.fromkeys(["HeadProvider", "load_head"], "sources.chain"),
     **dict.fromkeys(["Eagle3Provider", "load_eagle3"], "sources.eagle3"),
     **dict.fromkeys(["MtpProvider", "load_mtp"], "sources.mtp"),
     **dict.fromkeys(["AssistantProvider", "load_assistant"], "sources.assistant"),

@@ -7,10 +7,10 @@ Docs: https://specnb.github.io/specnb/moved.html.md"""
 # %% auto #0
 __all__ = ['MOVED', 'MovedModules', 'install_moved']
 
-# %% ../nbs/99_moved.ipynb #e5f7f2be
+# %% ../nbs/99_moved.ipynb #1e08e51d
 import importlib, importlib.abc, importlib.util, sys, warnings
 
-# %% ../nbs/99_moved.ipynb #6cdbd55e
+# %% ../nbs/99_moved.ipynb #8a79ccf4
 MOVED = {   # old module (under specnb) -> where it lives now
     "sampling": "gates",
     **{m: f"caches.{m}" for m in ("rollback", "window", "recurrent", "ragged", "ragged_state")},
@@ -20,9 +20,10 @@ MOVED = {   # old module (under specnb) -> where it lives now
     "corpus": "train.corpus",
     "serve_distributed": "serve.ranks",
     "harness": "serve.harness",
+    "sources.head": "sources.chain",
 }
 
-# %% ../nbs/99_moved.ipynb #5360faeb
+# %% ../nbs/99_moved.ipynb #00957461
 class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     "An import hook: `specnb.<old>` is the module `specnb.<MOVED[old]>` (a `DeprecationWarning` names the new place)."
     def find_spec(self, fullname, path=None, target=None):

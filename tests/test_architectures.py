@@ -8,7 +8,7 @@ from specnb import generate, spec_generate
 from specnb.models import model_from_config, perturbed
 from specnb.caches.recurrent import tiny_hybrid
 from specnb.tap import text_model
-from specnb.sources.head import random_head
+from specnb.sources.chain import random_head
 from specnb.sources.eagle3 import random_eagle3
 from specnb.sources.dflash import random_dflash
 from specnb.sources.registry import KINDS, make_provider

@@ -6,7 +6,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from specnb import spec_generate
 from specnb.models import random_model, perturbed
 from specnb.sources.base import DraftProvider, DraftSource, NoDraft, TargetView, protocol_mismatches
-from specnb.sources.head import random_head
+from specnb.sources.chain import random_head
 from specnb.sources.eagle3 import random_eagle3
 from specnb.sources.mtp import random_mtp_checkpoint, tiny_mtp_target
 from specnb.sources.assistant import random_assistant, tiny_gemma4

@@ -5,7 +5,7 @@ from hypothesis import assume, given, settings, strategies as st, HealthCheck
 from mlx_lm.models.cache import make_prompt_cache
 from specnb import spec_generate, generate, Sampling
 from specnb.sources.registry import KINDS, make_provider
-from specnb.sources.head import load_head, random_head
+from specnb.sources.chain import load_head, random_head
 from specnb.models import random_model, perturbed
 
 from test_architectures import EARLY_EXIT, HEAD, models as arch_models

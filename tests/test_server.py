@@ -766,5 +766,5 @@ def test_cache_reading_sources_are_batched(pair):
 
 def test_hidden_state_drafters_are_batched(pair):
     "The draft head reads the target's hidden states: batched rounds hand each request its rows (#31) — 4 concurrent clients, each its text alone."
-    from specnb.sources.head import HeadProvider
+    from specnb.sources.chain import HeadProvider
     batched_as_alone(pair, HeadProvider(), ("--draft-kind", "head"), clients=4, max_tokens=24)

@@ -18,7 +18,7 @@ from ..caches.ragged_state import batch_cache, unbatched_state
 from ..sources.base import TargetView
 from ..accept import sample_positions
 from ..sources.two_model import TwoModelSource
-from ..sources.head import HeadSource
+from ..sources.chain import HeadSource
 
 # %% ../../nbs/07g_batch_sources.ipynb #10f0d1b1
 def _batchable(model)->bool:

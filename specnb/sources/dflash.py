@@ -18,7 +18,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from ..accept import sample_positions
 from .base import TargetView, draft_distribution, draft_tokens, output_head
 from ..checkpoint import read_checkpoint, write_checkpoint
-from .head import check_head_target
+from .chain import check_head_target
 from ..tap import text_model
 
 # %% ../../nbs/05q_dflash.ipynb #68687d0e

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen3
 from ..checkpoint import read_checkpoint, read_config, write_checkpoint
 from .base import TargetView
-from .head import HeadSource, check_head_target
+from .chain import HeadSource, check_head_target
 from ..tap import text_model
 
 # %% ../../nbs/05m_eagle3.ipynb #3a4d1f3a

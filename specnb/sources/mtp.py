@@ -23,7 +23,7 @@ from ..checkpoint import hub_file, on_hub, safetensors_names  # noqa: F401
 from ..caches.recurrent import tiny_hybrid
 from ..tap import arch_name, text_model
 from .base import TargetView, output_head
-from .head import HeadSource, check_head_target
+from .chain import HeadSource, check_head_target
 
 # %% ../../nbs/05n_mtp.ipynb #6379ccd2
 def checkpoint_config(path)->dict:

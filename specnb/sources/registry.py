@@ -51,7 +51,7 @@ def _early_exit(draft, exit_layer=None):
     return EarlyExitProvider(**_given(exit_layer=exit_layer))
 
 def _head(draft, draft_head=None):
-    from specnb.sources.head import HeadProvider
+    from specnb.sources.chain import HeadProvider
     return HeadProvider(draft_head)   # None: the head shipped for the bundled target
 
 def _published(module:str, cls:str, what:str, where:str="--draft-model (a folder or hub id)", **rename):

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import mlx.core as mx, mlx.nn as nn, mlx.optimizers as optim
 from ..tap import Tap
-from ..sources.head import DraftHead, HeadConfig
+from ..sources.chain import DraftHead, HeadConfig
 
 # %% ../../nbs/05f_train_head.ipynb #893ce37b
 class UnrollCache:
