@@ -258,7 +258,7 @@ def answer_problem(path, body, r:httpx.Response)->str|None:
     return None
 
 @pytest.mark.parametrize("path", [C, CHAT])
-@settings(max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck), print_blob=False)
+@settings(max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck), print_blob=False)
 @given(data=st.data())
 def test_hypothesis_bodies(server, path, data):
     body = data.draw(bodies(path), label="body")

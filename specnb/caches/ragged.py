@@ -109,7 +109,7 @@ def drop(self:RaggedKVCache, i:int):
     keep = [j for j in range(len(self.ends)) if j != i]
     self.ends.pop(i)
     if not keep: self.keys = self.values = None
-    else:
+    elif self.keys is not None:   # rows that joined empty (a one-token prompt holds nothing yet) have written nothing
         idx = mx.array(keep)
         self.keys, self.values = self.keys[idx], self.values[idx]
 
