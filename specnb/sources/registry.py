@@ -122,10 +122,11 @@ def make_provider(kind:str,                # a key of KINDS
 # %% ../../nbs/05l_registry.ipynb #adc7df6c
 def published_kind(path)->str|None:
     "The kind of the published drafter checkpoint at `path` (a folder or hub id) — `eagle3`, `assistant` or `dflash` — or None (an mlx-lm draft model, or nothing readable)."
-    from specnb.sources.eagle3 import draft_config, is_eagle3
+    from specnb.checkpoint import read_config
+    from specnb.sources.eagle3 import is_eagle3
     from specnb.sources.assistant import MODEL_TYPE
     from specnb.sources.dflash import is_dflash
-    try: cfg = draft_config(path)
+    try: cfg = read_config(path)
     except (OSError, ValueError): return None   # not here or not reachable: the loader says why
     if is_dflash(cfg): return "dflash"   # before EAGLE-3: a DFlash config is a Qwen3 one with its own fields
     return "eagle3" if is_eagle3(cfg) else "assistant" if (cfg or {}).get("model_type") == MODEL_TYPE else None
@@ -156,9 +157,9 @@ def drafting_options(args)->dict:
 def default_draft_tokens(kind:str, draft_model=None)->int:
     "γ when `--num-draft-tokens` is not given: 3, or a DFlash checkpoint's whole block (`block_size - 1` drafts per forward)."
     if kind.split("+")[0] != "dflash" or draft_model is None: return 3
-    from specnb.sources.eagle3 import draft_config
+    from specnb.checkpoint import read_config
     from specnb.sources.dflash import read_dflash
-    return read_dflash(draft_config(draft_model) or {}).block_size - 1
+    return read_dflash(read_config(draft_model) or {}).block_size - 1
 
 def check_drafting(kind:str, options:dict, adaptive:bool=False):
     "Refuse, before any model loads, an option `kind` would ignore or a value its provider refuses."
