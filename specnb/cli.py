@@ -17,25 +17,78 @@ from .serve_options import ServeOptions
 def _model_args(p):
     "The options every command shares: which target, and how to draft for it."
     p.add_argument("--model", help="target: a local mlx-lm folder or a hub id (default: the bundled target)")
-    p.add_argument("--draft-model", help="draft: a folder or hub id sharing the target's tokenizer (default: the bundled draft with the bundled target)")
-    p.add_argument("--draft-kind", choices=list(KINDS), metavar="KIND",
-                   help=f"how to draft: {', '.join(KINDS)} (default: two-model with a draft model or the bundled pair, else ngram)")
+    p.add_argument(
+        "--draft-model",
+        help="draft: a folder or hub id sharing the target's tokenizer (default: the bundled draft with the bundled "
+        "target)",
+    )
+    p.add_argument(
+        "--draft-kind",
+        choices=list(KINDS),
+        metavar="KIND",
+        help=f"how to draft: {', '.join(KINDS)} (default: two-model with a draft model or the bundled pair, else "
+        "ngram)",
+    )
     p.add_argument("--num-draft-tokens", type=int, default=None, help="tokens drafted per round, γ (default 3)")
     p.add_argument("--ngram-max", type=int, default=None, help="longest n-gram prompt lookup matches (default 3)")
-    p.add_argument("--ngram-min", type=int, default=None, help="shortest n-gram prompt lookup matches (default 1; 3 with --lookup-first)")
-    p.add_argument("--exit-layer", type=int, default=None, help="early-exit drafts with this many of the target's layers (default 2)")
-    p.add_argument("--draft-head", help="head: a folder holding a draft head trained for the target (default: the bundled target's head)")
-    p.add_argument("--lookup-first", action="store_true", help="draft by prompt lookup where the last tokens occurred before, by the model elsewhere")
-    p.add_argument("--adaptive", action="store_true", help="adapt the draft length per round (up to --num-draft-tokens)")
-    p.add_argument("--draft-p-min", type=float, default=None, help="two-model, dflash: stop drafting (dflash: cut the block) where the draft's top probability is below this")
-    p.add_argument("--acceptance", choices=("match", "rejection"), default="match",
-                   help="when sampling: keep a draft the target samples too (match), or speculative sampling (rejection: keeps more)")
+    p.add_argument(
+        "--ngram-min",
+        type=int,
+        default=None,
+        help="shortest n-gram prompt lookup matches (default 1; 3 with --lookup-first)",
+    )
+    p.add_argument(
+        "--exit-layer",
+        type=int,
+        default=None,
+        help="early-exit drafts with this many of the target's layers (default 2)",
+    )
+    p.add_argument(
+        "--draft-head",
+        help="head: a folder holding a draft head trained for the target (default: the bundled target's head)",
+    )
+    p.add_argument(
+        "--lookup-first",
+        action="store_true",
+        help="draft by prompt lookup where the last tokens occurred before, by the model elsewhere",
+    )
+    p.add_argument(
+        "--adaptive", action="store_true", help="adapt the draft length per round (up to --num-draft-tokens)"
+    )
+    p.add_argument(
+        "--draft-p-min",
+        type=float,
+        default=None,
+        help="two-model, dflash: stop drafting (dflash: cut the block) where the draft's top probability is below this",
+    )
+    p.add_argument(
+        "--acceptance",
+        choices=("match", "rejection"),
+        default="match",
+        help="when sampling: keep a draft the target samples too (match), or speculative sampling (rejection: keeps "
+        "more)",
+    )
+
 
 def _rank_args(p):
     "The options of a command that can run as one rank of an `mlx.launch` job."
-    p.add_argument("--distributed", action="store_true", help="run as one rank of an mlx.launch job: the target split over the ranks, the draft source whole on each")
-    p.add_argument("--pipeline", action="store_true", help="with --distributed: pipeline parallel (models with mlx-lm's pipeline mixin); default tensor parallel")
-    p.add_argument("--rank-timeout", type=float, default=None, help="with --distributed: seconds without progress before a rank gives up on the others (default 60)")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="run as one rank of an mlx.launch job: the target split over the ranks, the draft source whole on each",
+    )
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="with --distributed: pipeline parallel (models with mlx-lm's pipeline mixin); default tensor parallel",
+    )
+    p.add_argument(
+        "--rank-timeout",
+        type=float,
+        default=None,
+        help="with --distributed: seconds without progress before a rank gives up on the others (default 60)",
+    )
+
 
 def _parser():
     p = argparse.ArgumentParser(prog="specnb", description="Speculative decoding for MLX.")
@@ -45,27 +98,58 @@ def _parser():
     _model_args(g)
     g.add_argument("--max-tokens", type=int, default=256, help="maximum tokens to generate (default 256)")
     g.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
-    g.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling: keep this much probability mass (default 0: off)")
+    g.add_argument(
+        "--top-p", type=float, default=0.0, help="nucleus sampling: keep this much probability mass (default 0: off)"
+    )
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with at least this fraction of the top probability (default 0: off)")
+    g.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="keep tokens with at least this fraction of the top probability (default 0: off)",
+    )
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     _rank_args(g)
-    g.add_argument("--no-echo", action="store_true", help="print only the completion, not the prompt before it (dimmed on a terminal)")
+    g.add_argument(
+        "--no-echo",
+        action="store_true",
+        help="print only the completion, not the prompt before it (dimmed on a terminal)",
+    )
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (see specnb.serve)")
     _model_args(s)
-    ServeOptions.add_arguments(s)   # --host … --log-level: each default and help line once (specnb.serve_options)
+    ServeOptions.add_arguments(s)  # --host … --log-level: each default and help line once (specnb.serve_options)
     _rank_args(s)
-    b = sub.add_parser("bench", help="benchmark plain decoding, each draft source and mlx-lm on one pair (see specnb.bench)")
+    b = sub.add_parser(
+        "bench", help="benchmark plain decoding, each draft source and mlx-lm on one pair (see specnb.bench)"
+    )
     b.add_argument("--model", help="target: a local mlx-lm folder or a hub id (default: the bundled target)")
-    b.add_argument("--draft-model", help="draft for the two-model source and mlx-lm (default: the bundled draft with the bundled target)")
-    b.add_argument("--sources", default=None, help=f"draft kinds, comma-separated: {', '.join(k for k in KINDS if k != 'none')} (default: two-model,ngram,early-exit,head; two-model only with a draft model)")
-    b.add_argument("--gammas", default="1,2,3,4,5", help="draft lengths γ to sweep, comma-separated (default: 1,2,3,4,5)")
+    b.add_argument(
+        "--draft-model",
+        help="draft for the two-model source and mlx-lm (default: the bundled draft with the bundled target)",
+    )
+    b.add_argument(
+        "--sources",
+        default=None,
+        help=f"draft kinds, comma-separated: {', '.join(k for k in KINDS if k != 'none')} (default: "
+        "two-model,ngram,early-exit,head; two-model only with a draft model)",
+    )
+    b.add_argument(
+        "--gammas", default="1,2,3,4,5", help="draft lengths γ to sweep, comma-separated (default: 1,2,3,4,5)"
+    )
     b.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     b.add_argument("--repeats", type=int, default=3, help="repeats after the warm-up (default 3)")
-    b.add_argument("--prompts", default="free", help="'free' (code prompts), 'grounded' (text the model copies) or a file of prompts separated by lines of '---'")
+    b.add_argument(
+        "--prompts",
+        default="free",
+        help="'free' (code prompts), 'grounded' (text the model copies) or a file of prompts separated by lines of "
+        "'---'",
+    )
     b.add_argument("--exit-layer", type=int, default=None, help="layers the early-exit source drafts with (default 2)")
-    b.add_argument("--draft-head", help="the head source's folder: a draft head trained for the target (default: the bundled target's head)")
+    b.add_argument(
+        "--draft-head",
+        help="the head source's folder: a draft head trained for the target (default: the bundled target's head)",
+    )
     b.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's speculative_generate_step")
     b.add_argument("--out", default="specnb-bench", help="folder for bench.json and the plots (default ./specnb-bench)")
     _rank_args(b)
@@ -74,66 +158,128 @@ def _parser():
 # %% ../nbs/07a_cli.ipynb #5bce9b31
 def _check_sampling(args):
     "Refuse the sampling options greedy decoding (`--temp 0`) would ignore."
-    if args.temp > 0: return
-    given = [f for f, on in (("--top-p", args.top_p != 0), ("--top-k", args.top_k != 0), ("--min-p", args.min_p != 0), ("--seed", args.seed is not None),
-                             ("--acceptance rejection", args.acceptance == "rejection")) if on]
-    if given: raise ValueError(f"{given[0]} applies when sampling (--temp > 0); greedy decoding would ignore it")
+    if args.temp > 0:
+        return
+    given = [
+        f
+        for f, on in (
+            ("--top-p", args.top_p != 0),
+            ("--top-k", args.top_k != 0),
+            ("--min-p", args.min_p != 0),
+            ("--seed", args.seed is not None),
+            ("--acceptance rejection", args.acceptance == "rejection"),
+        )
+        if on
+    ]
+    if given:
+        raise ValueError(f"{given[0]} applies when sampling (--temp > 0); greedy decoding would ignore it")
 
-def echo(prompt:str, out, chat:bool=False)->str:
-    "The prompt as `specnb generate` shows it before the completion: dimmed on a terminal so the two read apart; a chat prompt on a line of its own."
+
+def echo(prompt: str, out, chat: bool = False) -> str:
+    """The prompt as `specnb generate` shows it before the completion: dimmed on a terminal so the two read apart; a
+    chat prompt on a line of its own."""
     shown = prompt + ("\n" if chat else "")
     return f"\x1b[2m{shown}\x1b[0m" if getattr(out, "isatty", lambda: False)() else shown
 
+
 def _ranks(args, err):
-    "`--distributed`: join the `mlx.launch` job (None without it), refusing the options it makes meaningless, before any model loads."
+    """`--distributed`: join the `mlx.launch` job (None without it), refusing the options it makes meaningless, before
+    any model loads."""
     if not args.distributed:
-        given = [f for f, on in (("--pipeline", args.pipeline), ("--rank-timeout", args.rank_timeout is not None)) if on]
-        if given: raise ValueError(f"{given[0]} applies with --distributed")
+        given = [
+            f for f, on in (("--pipeline", args.pipeline), ("--rank-timeout", args.rank_timeout is not None)) if on
+        ]
+        if given:
+            raise ValueError(f"{given[0]} applies with --distributed")
         return None
-    kind = draft_kind(args.model, args.draft_model, args.draft_kind, args.draft_head, args.lookup_first) if hasattr(args, "draft_kind") else None
-    if args.pipeline and kind is not None and KINDS[kind].reads_layers:   # `bench` checks its --sources itself
-        raise ValueError(f"--draft-kind {kind} reads the target's layers, which --pipeline spreads over the ranks; use tensor parallelism (drop --pipeline)")
+    kind = (
+        draft_kind(args.model, args.draft_model, args.draft_kind, args.draft_head, args.lookup_first)
+        if hasattr(args, "draft_kind")
+        else None
+    )
+    if args.pipeline and kind is not None and KINDS[kind].reads_layers:  # `bench` checks its --sources itself
+        raise ValueError(
+            f"--draft-kind {kind} reads the target's layers, which --pipeline spreads over the ranks; use tensor "
+            "parallelism (drop --pipeline)"
+        )
     from specnb.distributed import join
+
     return join(args.pipeline, 60.0 if args.rank_timeout is None else args.rank_timeout, err)
 
+
 def cmd_generate(args, out=None, err=None):
-    "Run `specnb generate`: stream the text to `out`, then one statistics line to `err` (default: `sys.stdout` and `sys.stderr` as they are when called)."
+    """Run `specnb generate`: stream the text to `out`, then one statistics line to `err` (default: `sys.stdout` and
+    `sys.stderr` as they are when called)."""
     out, err = out or sys.stdout, err or sys.stderr
-    import mlx.core as mx   # here, not at the top: `specnb --help` and argument errors load no MLX
+    import mlx.core as mx  # here, not at the top: `specnb --help` and argument errors load no MLX
     from specnb.accept import Sampling
     from specnb.detok import DecodedText
     from specnb.executor import spec_stream, context_length
     from specnb.blas import blas_in_use
     from specnb.distributed import agree
-    if args.max_tokens < 1: raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    sampling = Sampling(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)   # bad values: a ValueError naming them
+
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    sampling = Sampling(
+        temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k
+    )  # bad values: a ValueError naming them
     _check_sampling(args)
     ranks = _ranks(args, err)
     pair, provider, kind = load_drafting(args, loader=ranks.load if ranks else None)
     tok = pair.tokenizer
-    if ranks: ranks.seed(args.seed); out, err = ranks.output(out), ranks.output(err)   # one seed everywhere; rank 0 prints
-    elif args.seed is not None: mx.random.seed(args.seed)
-    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False) if args.chat else args.prompt
+    if ranks:
+        ranks.seed(args.seed)
+        out, err = ranks.output(out), ranks.output(err)  # one seed everywhere; rank 0 prints
+    elif args.seed is not None:
+        mx.random.seed(args.seed)
+    text = (
+        tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False)
+        if args.chat
+        else args.prompt
+    )
     prompt = tok.encode(text, add_special_tokens=not args.chat)
     limit = context_length(pair.target)
     if limit is not None and len(prompt) + args.max_tokens > limit:
-        raise ValueError(f"the prompt ({len(prompt)} tokens) and --max-tokens {args.max_tokens} need {len(prompt) + args.max_tokens} tokens, "
-                         f"more than the model's context of {limit}; shorten the prompt or lower --max-tokens")
+        raise ValueError(
+            f"the prompt ({len(prompt)} tokens) and --max-tokens {args.max_tokens} need "
+            f"{len(prompt) + args.max_tokens} tokens, "
+            f"more than the model's context of {limit}; shorten the prompt or lower --max-tokens"
+        )
     text = DecodedText(tok)
-    if not args.no_echo: out.write(echo(args.prompt, out, args.chat))
-    watch = ranks.watch() if ranks else None   # with --distributed: a rank that stops making progress ends the job with one line
-    stream = spec_stream(pair.target, provider, prompt, num_draft_tokens=args.num_draft_tokens, max_tokens=args.max_tokens,
-                         eos_token_ids=tok.eos_token_ids, sampler=sampling if args.temp > 0 else None, acceptance=args.acceptance,
-                         should_stop=watch.beat if watch else None)
+    if not args.no_echo:
+        out.write(echo(args.prompt, out, args.chat))
+    watch = (
+        ranks.watch() if ranks else None
+    )  # with --distributed: a rank that stops making progress ends the job with one line
+    stream = spec_stream(
+        pair.target,
+        provider,
+        prompt,
+        num_draft_tokens=args.num_draft_tokens,
+        max_tokens=args.max_tokens,
+        eos_token_ids=tok.eos_token_ids,
+        sampler=sampling if args.temp > 0 else None,
+        acceptance=args.acceptance,
+        should_stop=watch.beat if watch else None,
+    )
     with watch or nullcontext(), stream:
         for t in stream:
-            if watch: watch.beat()
-            out.write(text.add(t)); out.flush()
-    out.write(text.finish() + "\n"); out.flush()
-    if ranks: agree(stream.result.tokens, ranks.group)
+            if watch:
+                watch.beat()
+            out.write(text.add(t))
+            out.flush()
+    out.write(text.finish() + "\n")
+    out.flush()
+    if ranks:
+        agree(stream.result.tokens, ranks.group)
     st = stream.result.stats
-    print(f"[{kind}{', rejection sampling' if st.rule == 'rejection' else ''}] " + st.summary() + ("" if provider else " | plain decoding")
-          + f" | BLAS {blas_in_use()}", file=err)
+    print(
+        f"[{kind}{', rejection sampling' if st.rule == 'rejection' else ''}] "
+        + st.summary()
+        + ("" if provider else " | plain decoding")
+        + f" | BLAS {blas_in_use()}",
+        file=err,
+    )
     return stream.result
 
 # %% ../nbs/07a_cli.ipynb #0cb8d6a5
@@ -141,35 +287,54 @@ def main(argv=None):
     "The `specnb` command."
     args = _parser().parse_args(argv)
     from specnb.blas import openblas_relaunch
-    openblas_relaunch()   # on Linux, Debian's OpenBLAS when installed: several times faster fp32 (SPECNB_NO_OPENBLAS=1: off)
+
+    # on Linux, Debian's OpenBLAS when installed: several times faster fp32 (SPECNB_NO_OPENBLAS=1: off)
+    openblas_relaunch()
     try:
-        if args.command == "generate": cmd_generate(args)
+        if args.command == "generate":
+            cmd_generate(args)
         if args.command == "serve" and (ranks := _ranks(args, sys.stderr)):
-            from specnb.serve.ranks import cmd_serve_ranks   # rank 0 serves HTTP, the other ranks follow it
+            from specnb.serve.ranks import cmd_serve_ranks  # rank 0 serves HTTP, the other ranks follow it
+
             cmd_serve_ranks(args, ranks)
         elif args.command == "serve":
-            from specnb.serve import cmd_serve   # the server's stack (FastAPI, uvicorn) loads only for `serve`
+            from specnb.serve import cmd_serve  # the server's stack (FastAPI, uvicorn) loads only for `serve`
+
             cmd_serve(args)
         if args.command == "bench":
-            from specnb.bench import cmd_bench   # higher up the stack than the CLI: imported only when asked for
+            from specnb.bench import cmd_bench  # higher up the stack than the CLI: imported only when asked for
+
             cmd_bench(args, _ranks(args, sys.stderr))
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"specnb: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except RuntimeError as e:   # a collective that failed: another rank died (single-process errors keep their traceback)
-        if not getattr(args, "distributed", False): raise
+    except (
+        RuntimeError
+    ) as e:  # a collective that failed: another rank died (single-process errors keep their traceback)
+        if not getattr(args, "distributed", False):
+            raise
         from specnb.distributed import fail_rank
-        fail_rank(str(e))   # one line naming the rank, status 1, before the launcher's SIGTERM can race a tidy exit
-    except KeyboardInterrupt: sys.exit(130)
+
+        fail_rank(str(e))  # one line naming the rank, status 1, before the launcher's SIGTERM can race a tidy exit
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 # %% ../nbs/07a_cli.ipynb #02d64574
-def refusal(argv:list)->tuple:
-    "`(status, stderr)` of `specnb ARGV` run in this process, which must refuse: an `AssertionError` if it runs or exits 0. Never restarts the process for OpenBLAS."
+def refusal(argv: list) -> tuple:
+    """`(status, stderr)` of `specnb ARGV` run in this process, which must refuse: an `AssertionError` if it runs or
+    exits 0. Never restarts the process for OpenBLAS."""
     import contextlib, io, os
     from unittest.mock import patch
+
     err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), patch.dict(os.environ, SPECNB_NO_OPENBLAS="1"):
-        try: main(list(argv))
+    with (
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(err),
+        patch.dict(os.environ, SPECNB_NO_OPENBLAS="1"),
+    ):
+        try:
+            main(list(argv))
         except SystemExit as e:
-            if e.code not in (0, None): return e.code, err.getvalue()
+            if e.code not in (0, None):
+                return e.code, err.getvalue()
     raise AssertionError(f"specnb {' '.join(map(str, argv))} was not refused")

@@ -9,21 +9,26 @@ __all__ = ['DecodedText']
 
 # %% ../nbs/07c_detok.ipynb #3dc70f08
 class DecodedText:
-    "The text of a growing list of token ids, decoded piece by piece exactly as `tokenizer.decode` decodes the whole list."
-    def __init__(self, tokenizer): self.tokenizer, self.ids, self.text, self._start, self._read = tokenizer, [], "", 0, 0
+    """The text of a growing list of token ids, decoded piece by piece exactly as `tokenizer.decode` decodes the whole
+    list."""
 
-    def _step(self, final:bool)->str:
-        before = self.tokenizer.decode(self.ids[self._start:self._read])
-        now = self.tokenizer.decode(self.ids[self._start:])
-        if not final and (now.endswith("\ufffd") or len(now) <= len(before)): return ""   # wait for the rest of a character
-        delta = now[len(before):]
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.text, self._start, self._read = tokenizer, [], "", 0, 0
+
+    def _step(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[self._start : self._read])
+        now = self.tokenizer.decode(self.ids[self._start :])
+        if not final and (now.endswith("\ufffd") or len(now) <= len(before)):
+            return ""  # wait for the rest of a character
+        delta = now[len(before) :]
         self._start, self._read, self.text = self._read, len(self.ids), self.text + delta
         return delta
 
-    def add(self, token:int)->str:
+    def add(self, token: int) -> str:
         "Append a token id; return the text it completed (empty while a character is still partial)."
-        self.ids.append(int(token)); return self._step(False)
+        self.ids.append(int(token))
+        return self._step(False)
 
-    def finish(self)->str:
+    def finish(self) -> str:
         "The text still held back at the end (a partial character decodes to U+FFFD)."
         return self._step(True) if self._read < len(self.ids) else ""

@@ -22,89 +22,140 @@ def world():
     "The group `mlx.launch` started this process in: size 1 when it runs alone."
     return mx.distributed.init()
 
+
 def share(obj=None, group=None):
-    "Rank 0's JSON-able `obj` on every rank (the others' `obj` is ignored): an all-sum of its length, then of its bytes."
+    """Rank 0's JSON-able `obj` on every rank (the others' `obj` is ignored): an all-sum of its length, then of its
+    bytes."""
     group = group or world()
-    if group.size() == 1: return obj
+    if group.size() == 1:
+        return obj
     data = json.dumps(obj).encode() if group.rank() == 0 else b""
     n = mx.distributed.all_sum(mx.array(len(data)), group=group, stream=mx.cpu).item()
     buf = mx.array(np.frombuffer(data, dtype=np.uint8)) if data else mx.zeros(n, dtype=mx.uint8)
     return json.loads(bytes(np.array(mx.distributed.all_sum(buf, group=group, stream=mx.cpu))))
 
-def shared_seed(seed:int|None=None, group=None)->int:
-    "One seed on every rank: `seed` where given, else one that rank 0 draws; sampling and drafting then draw the same numbers everywhere."
+
+def shared_seed(seed: int | None = None, group=None) -> int:
+    """One seed on every rank: `seed` where given, else one that rank 0 draws; sampling and drafting then draw the same
+    numbers everywhere."""
     return share(int.from_bytes(os.urandom(4), "little") if seed is None else seed, group)
 
-def agree(tokens:list, group=None)->list:
+
+def agree(tokens: list, group=None) -> list:
     "Check that every rank produced `tokens`: a `RuntimeError` naming the ranks that differ from rank 0."
     group = group or world()
-    if group.size() == 1: return tokens
-    mine = mx.array([[len(tokens), zlib.crc32(np.array(tokens, dtype=np.int64).tobytes()) & 0x7FFFFFFF]], dtype=mx.int32)
+    if group.size() == 1:
+        return tokens
+    mine = mx.array(
+        [[len(tokens), zlib.crc32(np.array(tokens, dtype=np.int64).tobytes()) & 0x7FFFFFFF]], dtype=mx.int32
+    )
     seen = np.array(mx.distributed.all_gather(mine, group=group, stream=mx.cpu)).tolist()
     off = [r for r, x in enumerate(seen) if x != seen[0]]
-    if off: raise RuntimeError(f"ranks {off} produced other tokens than rank 0 (lengths {[x[0] for x in seen]}): the ranks fell out of lockstep")
+    if off:
+        raise RuntimeError(
+            f"ranks {off} produced other tokens than rank 0 (lengths {[x[0] for x in seen]}): the ranks fell out of "
+            "lockstep"
+        )
     return tokens
 
 # %% ../nbs/07f_distributed.ipynb #d9eabeac
-def _check_split(path:Path, pipeline:bool):
+def _check_split(path: Path, pipeline: bool):
     "Refuse, naming the architecture, a model mlx-lm cannot split the way asked (before any weight is read)."
     from mlx_lm.utils import load_model as lazy_load
+
     model, cfg = lazy_load(path, lazy=True, strict=False)
     arch = cfg.get("model_type", "?")
     if pipeline and not (hasattr(model, "model") and hasattr(model.model, "pipeline")):
-        raise ValueError(f"--pipeline: mlx-lm's {arch} model has no pipeline parallelism (its PipelineMixin); use tensor parallelism (drop --pipeline)")
+        raise ValueError(
+            f"--pipeline: mlx-lm's {arch} model has no pipeline parallelism (its PipelineMixin); use tensor "
+            "parallelism (drop --pipeline)"
+        )
     if not pipeline and not hasattr(model, "shard"):
         raise ValueError(f"mlx-lm's {arch} model has no tensor parallelism (no shard()); try --pipeline")
 
-def load_sharded_pair(target:str|Path|None=None, # a local mlx-lm folder (or hub id) of the target; None: the bundled target
-                      draft:str|Path|None=None,  # the draft, whole on every rank; None: the bundled draft with the bundled target
-                      pipeline:bool=False,       # pipeline parallel; default tensor parallel
-                      group=None,                # the ranks to split over (default: every rank of the job)
-                     )->ModelPair:
+
+def load_sharded_pair(
+    target: str | Path | None = None,  # a local mlx-lm folder (or hub id) of the target; None: the bundled target
+    draft: str | Path | None = None,  # the draft, whole on every rank; None: the bundled draft with the bundled target
+    pipeline: bool = False,  # pipeline parallel; default tensor parallel
+    group=None,  # the ranks to split over (default: every rank of the job)
+) -> ModelPair:
     "Load the target split over the job's ranks and the draft whole on each, checking they pair."
-    if target is None: target, draft = bundled_dir("target"), draft or bundled_dir("draft")
+    if target is None:
+        target, draft = bundled_dir("target"), draft or bundled_dir("draft")
     group, path = group or world(), Path(target).expanduser()
-    if path.suffix == ".gguf": raise ValueError(f"{target}: a GGUF target cannot be split by mlx-lm's sharded_load; convert it to an mlx-lm folder first")
-    if path.exists(): _check_split(path, pipeline)
-    tm, ttok = sharded_load(str(target), pipeline_group=group if pipeline else None, tensor_group=None if pipeline else group)
-    if draft is None: return ModelPair(tm, None, ttok)
+    if path.suffix == ".gguf":
+        raise ValueError(
+            f"{target}: a GGUF target cannot be split by mlx-lm's sharded_load; convert it to an mlx-lm folder first"
+        )
+    if path.exists():
+        _check_split(path, pipeline)
+    tm, ttok = sharded_load(
+        str(target), pipeline_group=group if pipeline else None, tensor_group=None if pipeline else group
+    )
+    if draft is None:
+        return ModelPair(tm, None, ttok)
     dm, dtok = load_model(draft)
     check_tokenizers(ttok, dtok, str(target), str(draft))
     check_vocab(tm, dm, str(target), str(draft))
     return ModelPair(tm, dm, ttok)
 
 # %% ../nbs/07f_distributed.ipynb #c29e0a01
-def _say(line:str, err=None):
+def _say(line: str, err=None):
     "Write `line` to `err` (default stderr) if it takes it now: never raises, never blocks."
     err = err or sys.stderr
     try:
-        if not select.select([], [err.fileno()], [], 0)[1]: return   # a full pipe: its reader stopped reading
-    except (OSError, ValueError, AttributeError): pass               # not a file (a notebook's stream): just write
-    try: print(line, file=err, flush=True)
-    except (OSError, ValueError, AttributeError): pass               # a pipe whose reader died
+        if not select.select([], [err.fileno()], [], 0)[1]:
+            return  # a full pipe: its reader stopped reading
+    except (OSError, ValueError, AttributeError):
+        pass  # not a file (a notebook's stream): just write
+    try:
+        print(line, file=err, flush=True)
+    except (OSError, ValueError, AttributeError):
+        pass  # a pipe whose reader died
+
 
 _ending = threading.Lock()
-def _end(rank:int, why:str, err=None):
-    "End this process with status 1 and one line naming `rank` and `why`, once: a second thread here waits for the first."
-    if not _ending.acquire(blocking=False): time.sleep(60)
+
+
+def _end(rank: int, why: str, err=None):
+    """End this process with status 1 and one line naming `rank` and `why`, once: a second thread here waits for the
+    first."""
+    if not _ending.acquire(blocking=False):
+        time.sleep(60)
     _say(f"specnb: error: rank {rank}: {why}", err)
     os._exit(1)
 
 # %% ../nbs/07f_distributed.ipynb #d8071a34
 class Watchdog:
-    "Ends this process with one line when no progress was made for `timeout` seconds while armed: a collective waits for ever on a rank that hangs."
-    def __init__(self, timeout:float=60.0, rank:int=0, err=None):
-        if timeout <= 0: raise ValueError(f"--rank-timeout must be > 0 seconds, got {timeout}")
-        self.timeout, self.rank, self.err, self.last, self.armed = timeout, rank, err or sys.stderr, time.monotonic(), False
+    """Ends this process with one line when no progress was made for `timeout` seconds while armed: a collective waits
+    for ever on a rank that hangs."""
+
+    def __init__(self, timeout: float = 60.0, rank: int = 0, err=None):
+        if timeout <= 0:
+            raise ValueError(f"--rank-timeout must be > 0 seconds, got {timeout}")
+        self.timeout, self.rank, self.err, self.last, self.armed = (
+            timeout,
+            rank,
+            err or sys.stderr,
+            time.monotonic(),
+            False,
+        )
         threading.Thread(target=self._watch, daemon=True, name="specnb-watchdog").start()
 
-    def beat(self)->bool:
-        "Progress was made. Returns False (do not stop), so it also serves as the executor's `should_stop` hook between prefill chunks."
+    def beat(self) -> bool:
+        """Progress was made. Returns False (do not stop), so it also serves as the executor's `should_stop` hook
+        between prefill chunks."""
         self.last = time.monotonic()
         return False
 
-    def __enter__(self): self.beat(); self.armed = True; return self
-    def __exit__(self, *exc): self.armed = False
+    def __enter__(self):
+        self.beat()
+        self.armed = True
+        return self
+
+    def __exit__(self, *exc):
+        self.armed = False
 
     def _watch(self):
         while True:
@@ -112,61 +163,98 @@ class Watchdog:
             if self.armed and time.monotonic() - self.last > self.timeout:
                 _end(self.rank, f"no progress for {self.timeout:g} s: another rank died or hangs", self.err)
 
+
 _TERMINATED = "stopped by SIGTERM: another rank exited, or the job was stopped"
-def on_peer_exit(rank:int, err=None):
-    "Under `mlx.launch`, a rank that exits makes the launcher stop the others with SIGTERM: say so in one line and exit 1."
+
+
+def on_peer_exit(rank: int, err=None):
+    """Under `mlx.launch`, a rank that exits makes the launcher stop the others with SIGTERM: say so in one line and
+    exit 1."""
     signal.signal(signal.SIGTERM, lambda sig, frame: _end(rank, _TERMINATED, err))
 
 # %% ../nbs/07f_distributed.ipynb #c29e0a04
-def on_launcher_exit(rank:int, err=None,
-                     every:float=0.5, # seconds between checks of the parent
-                    ):
-    "From a thread of its own: end this rank with one line when its launcher (its parent) is gone, or at once on SIGTERM, even while a collective holds the main thread."
+def on_launcher_exit(
+    rank: int,
+    err=None,
+    every: float = 0.5,  # seconds between checks of the parent
+):
+    """From a thread of its own: end this rank with one line when its launcher (its parent) is gone, or at once on
+    SIGTERM, even while a collective holds the main thread."""
     parent = os.getppid()
     wake, alarm = os.pipe()
     os.set_blocking(alarm, False)
-    signal.set_wakeup_fd(alarm, warn_on_full_buffer=False)   # the C-level handler writes each signal's number here, from any thread
+    signal.set_wakeup_fd(
+        alarm, warn_on_full_buffer=False
+    )  # the C-level handler writes each signal's number here, from any thread
+
     def watch():
         while True:
-            if select.select([wake], [], [], every)[0] and int(signal.SIGTERM) in os.read(wake, 64): _end(rank, _TERMINATED, err)
-            if os.getppid() != parent: _end(rank, f"its launcher (pid {parent}) exited: the job is over", err)
+            if select.select([wake], [], [], every)[0] and int(signal.SIGTERM) in os.read(wake, 64):
+                _end(rank, _TERMINATED, err)
+            if os.getppid() != parent:
+                _end(rank, f"its launcher (pid {parent}) exited: the job is over", err)
+
     threading.Thread(target=watch, daemon=True, name="specnb-launcher").start()
 
 # %% ../nbs/07f_distributed.ipynb #7ddeed2f
 @dataclass
 class Ranks:
     "This process's place in an `mlx.launch` job, for a command every rank runs in lockstep."
+
     group: object
     pipeline: bool = False
     timeout: float = 60.0
 
     @property
-    def rank(self)->int: return self.group.rank()
-    @property
-    def lead(self)->bool: return self.rank == 0
-    def load(self, target=None, draft=None)->ModelPair: return load_sharded_pair(target, draft, self.pipeline, self.group)
-    def seed(self, seed:int|None=None): mx.random.seed(shared_seed(seed, self.group))
-    def output(self, stream): return stream if self.lead else open(os.devnull, "w")
-    def watch(self)->Watchdog: return Watchdog(self.timeout, self.rank)
+    def rank(self) -> int:
+        return self.group.rank()
 
-def join(pipeline:bool=False, timeout:float=60.0, err=None)->Ranks:
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    def load(self, target=None, draft=None) -> ModelPair:
+        return load_sharded_pair(target, draft, self.pipeline, self.group)
+
+    def seed(self, seed: int | None = None):
+        mx.random.seed(shared_seed(seed, self.group))
+
+    def output(self, stream):
+        return stream if self.lead else open(os.devnull, "w")
+
+    def watch(self) -> Watchdog:
+        return Watchdog(self.timeout, self.rank)
+
+
+def join(pipeline: bool = False, timeout: float = 60.0, err=None) -> Ranks:
     "Join the `mlx.launch` job this process is a rank of (a `ValueError` when it is alone), with the fault guards on."
     g = world()
     if g.size() < 2:
-        raise ValueError("--distributed: this process is not one of several ranks; start every rank with mlx.launch, "
-                         "e.g. `mlx.launch --backend ring -n 2 -- specnb generate --distributed ...`")
-    if timeout <= 0: raise ValueError(f"--rank-timeout must be > 0 seconds, got {timeout}")
+        raise ValueError(
+            "--distributed: this process is not one of several ranks; start every rank with mlx.launch, "
+            "e.g. `mlx.launch --backend ring -n 2 -- specnb generate --distributed ...`"
+        )
+    if timeout <= 0:
+        raise ValueError(f"--rank-timeout must be > 0 seconds, got {timeout}")
     on_peer_exit(g.rank(), err)
     on_launcher_exit(g.rank(), err)
     return Ranks(g, pipeline, timeout)
 
-def fail_rank(why:str, err=None):
-    "End this rank as its guards do (one line naming it, status 1), for an error a collective raised: MLX's ring can report a lost peer before the launcher's SIGTERM arrives."
+
+def fail_rank(why: str, err=None):
+    """End this rank as its guards do (one line naming it, status 1), for an error a collective raised: MLX's ring can
+    report a lost peer before the launcher's SIGTERM arrives."""
     _end(world().rank(), why, err)
 
-
 # %% ../nbs/07f_distributed.ipynb #2c5d6345
-def launch(cmd:list, n:int=2, timeout:float=300, env=None, backend:str="ring")->subprocess.CompletedProcess:
-    "Run `cmd` (a program and its arguments) as `n` ranks on this machine with `mlx.launch`; a `TimeoutExpired` after `timeout` seconds."
+def launch(cmd: list, n: int = 2, timeout: float = 300, env=None, backend: str = "ring") -> subprocess.CompletedProcess:
+    """Run `cmd` (a program and its arguments) as `n` ranks on this machine with `mlx.launch`; a `TimeoutExpired` after
+    `timeout` seconds."""
     launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
-    return subprocess.run([launcher, "--backend", backend, "-n", str(n), "--", *cmd], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [launcher, "--backend", backend, "-n", str(n), "--", *cmd],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )

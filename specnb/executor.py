@@ -29,10 +29,11 @@ from .tap import Tap
 @dataclass
 class SpecStats:
     "Counters of one generation. Per-position lists are indexed by draft position 0..γ-1."
-    drafted: int = 0           # draft tokens proposed
-    accepted: int = 0          # draft tokens the target agreed with
-    target_calls: int = 0      # target forwards after the prefill (verify windows and plain steps)
-    rounds: int = 0            # verify windows
+
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens the target agreed with
+    target_calls: int = 0  # target forwards after the prefill (verify windows and plain steps)
+    rounds: int = 0  # verify windows
     accepted_lengths: list = field(default_factory=list)  # accepted drafts, per round
     drafted_by_pos: list = field(default_factory=list)
     accepted_by_pos: list = field(default_factory=list)
@@ -41,149 +42,201 @@ class SpecStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     fallback_at: int | None = None  # tokens emitted when plain decoding took over (a sliding window filled)
-    rule: str = "match"             # the acceptance rule the rounds used: "match", or "rejection" (speculative sampling)
+    rule: str = "match"  # the acceptance rule the rounds used: "match", or "rejection" (speculative sampling)
 
     @property
-    def prefill_tps(self)->float: return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
     @property
-    def decode_tps(self)->float: return self.generated / self.decode_s if self.decode_s else 0.0
+    def decode_tps(self) -> float:
+        return self.generated / self.decode_s if self.decode_s else 0.0
+
     @property
-    def acceptance_rate(self)->float: return self.accepted / self.drafted if self.drafted else 0.0
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
     @property
-    def mean_accepted_length(self)->float:
+    def mean_accepted_length(self) -> float:
         "Tokens emitted per verify window: 1 + accepted drafts per round (vLLM's 'mean acceptance length')."
         return 1 + self.accepted / self.rounds if self.rounds else 0.0
-    @property
-    def tokens_per_call(self)->float: return self.generated / self.target_calls if self.target_calls else 0.0
 
-    def count_round(self, d:int, k:int):
+    @property
+    def tokens_per_call(self) -> float:
+        return self.generated / self.target_calls if self.target_calls else 0.0
+
+    def count_round(self, d: int, k: int):
         "Count one verify window: `d` drafts proposed, the first `k` of them accepted."
         self.target_calls += 1
         self.rounds += 1
         self.drafted += d
         self.accepted += k
         self.accepted_lengths.append(k)
-        for i in range(d): self.drafted_by_pos[i] += 1
-        for i in range(k): self.accepted_by_pos[i] += 1
+        for i in range(d):
+            self.drafted_by_pos[i] += 1
+        for i in range(k):
+            self.accepted_by_pos[i] += 1
 
-    def summary(self)->str:
+    def summary(self) -> str:
         "One line: speed and, when there were verify rounds, acceptance and tokens per target call."
-        s = (f"{self.generated} tokens, {self.decode_tps:.1f} tok/s decode, {self.prefill_tps:.1f} tok/s prefill "
-             f"({self.prompt_tokens} prompt tokens)")
-        if self.rounds: s += (f" | acceptance {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted}), "
-                              f"{self.tokens_per_call:.2f} tokens per target call")
+        s = (
+            f"{self.generated} tokens, {self.decode_tps:.1f} tok/s decode, {self.prefill_tps:.1f} tok/s prefill "
+            f"({self.prompt_tokens} prompt tokens)"
+        )
+        if self.rounds:
+            s += (
+                f" | acceptance {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted}), "
+                f"{self.tokens_per_call:.2f} tokens per target call"
+            )
         return s + (f" | plain decoding from token {self.fallback_at}" if self.fallback_at is not None else "")
+
 
 @dataclass
 class SpecResult:
     "What a generation produced."
-    tokens: list = field(default_factory=list)   # emitted token ids (EOS excluded)
-    finish_reason: str | None = None             # "stop" (EOS or grammar end), "length", None (halted by the consumer),
-                                                 # or "cancelled" (`should_stop` ended the prefill: the cache holds part of the prompt)
+
+    tokens: list = field(default_factory=list)  # emitted token ids (EOS excluded)
+    finish_reason: str | None = None  # "stop" (EOS or grammar end), "length", None (halted by the consumer),
+    # or "cancelled" (`should_stop` ended the prefill: the cache holds part of the prompt)
     stats: SpecStats = field(default_factory=SpecStats)
-    fed: int = 0                                 # the target cache holds prompt + tokens[:fed]
-    draft_cache: list | None = None              # with a prompt cache: the source's caches, holding the same tokens
-    logprobs: list = field(default_factory=list) # with `logprobs=k`: per emitted token, `(logprob, [(id, logprob)] * k)`
-    prompt_logprobs: list = field(default_factory=list) # with `prompt_logprobs=k`: the same per prompt token (None for the first)
+    fed: int = 0  # the target cache holds prompt + tokens[:fed]
+    draft_cache: list | None = None  # with a prompt cache: the source's caches, holding the same tokens
+    logprobs: list = field(
+        default_factory=list
+    )  # with `logprobs=k`: per emitted token, `(logprob, [(id, logprob)] * k)`
+    prompt_logprobs: list = field(
+        default_factory=list
+    )  # with `prompt_logprobs=k`: the same per prompt token (None for the first)
 
 # %% ../nbs/07_executor.ipynb #cf1912dc
-def spec_options(*,
-                 num_draft_tokens:int=3,     # γ: tokens drafted per round
-                 max_tokens:int=256,         # exact cap on emitted tokens
-                 eos_token_ids=None,         # ids that end generation (pass the tokenizer's `eos_token_ids`)
-                 sampler=None,               # `specnb.Sampling(...)` or any mlx-lm sampler over log-probabilities; None: greedy
-                 logits_processors=None,     # mlx-lm logits processors, applied at every position
-                 grammar=None,               # a grammar (mask/advance/terminated), see the accept walk
-                 prompt_cache=None,          # the target's cache list, updated in place
-                 cached_tokens=None,         # the token ids `prompt_cache` already holds (the draft and processors read them)
-                 draft_cache=None,           # a previous result's `draft_cache`, holding the same tokens as `prompt_cache`
-                 prefill_step_size:int=2048, # prompt tokens per prefill forward (mlx-lm's `speculative_generate_step` uses 512)
-                 acceptance:str="match",     # "match": keep a draft the target samples too; "rejection": speculative sampling
-                 should_stop=None,           # asked between prefill chunks; True abandons the request ("cancelled")
-                 logprobs:int|None=None,     # per emitted token, its log-probability and this many alternatives (`res.logprobs`); None: none
-                 prompt_logprobs:int|None=None, # the same per prompt token, from the prefill (`res.prompt_logprobs`); needs no `cached_tokens`
-                )->SimpleNamespace:
+def spec_options(
+    *,
+    num_draft_tokens: int = 3,  # γ: tokens drafted per round
+    max_tokens: int = 256,  # exact cap on emitted tokens
+    eos_token_ids=None,  # ids that end generation (pass the tokenizer's `eos_token_ids`)
+    sampler=None,  # `specnb.Sampling(...)` or any mlx-lm sampler over log-probabilities; None: greedy
+    logits_processors=None,  # mlx-lm logits processors, applied at every position
+    grammar=None,  # a grammar (mask/advance/terminated), see the accept walk
+    prompt_cache=None,  # the target's cache list, updated in place
+    cached_tokens=None,  # the token ids `prompt_cache` already holds (the draft and processors read them)
+    draft_cache=None,  # a previous result's `draft_cache`, holding the same tokens as `prompt_cache`
+    prefill_step_size: int = 2048,  # prompt tokens per prefill forward (mlx-lm's `speculative_generate_step` uses 512)
+    acceptance: str = "match",  # "match": keep a draft the target samples too; "rejection": speculative sampling
+    should_stop=None,  # asked between prefill chunks; True abandons the request ("cancelled")
+    logprobs: int
+    | None = None,  # per emitted token, its log-probability and this many alternatives (`res.logprobs`); None: none
+    prompt_logprobs: int
+    | None = None,  # the same per prompt token, from the prefill (`res.prompt_logprobs`); needs no `cached_tokens`
+) -> SimpleNamespace:
     "The generation options, as one value: the one place they are named, defaulted and documented."
     return SimpleNamespace(**locals())
 
 # %% ../nbs/07_executor.ipynb #2484d7cc
 ACCEPTANCE = ("match", "rejection")
 
+
 def _check_args(prompt, num_draft_tokens, max_tokens, acceptance, sampler):
-    if acceptance not in ACCEPTANCE: raise ValueError(f"acceptance must be one of {ACCEPTANCE}, got {acceptance!r}")
+    if acceptance not in ACCEPTANCE:
+        raise ValueError(f"acceptance must be one of {ACCEPTANCE}, got {acceptance!r}")
     if acceptance == "rejection" and sampler is not None and not hasattr(sampler, "logprobs"):
-        raise ValueError("acceptance='rejection' needs a sampler that exposes its distribution: pass specnb.Sampling(temp, top_p, min_p, top_k), "
-                         "which samples exactly as mlx-lm's make_sampler does")
+        raise ValueError(
+            "acceptance='rejection' needs a sampler that exposes its distribution: pass specnb.Sampling(temp, top_p, "
+            "min_p, top_k), "
+            "which samples exactly as mlx-lm's make_sampler does"
+        )
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else [int(t) for t in prompt]
-    if not prompt: raise ValueError("prompt is empty: generation needs at least one token")
-    if num_draft_tokens < 1: raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
-    if max_tokens < 1: raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if not prompt:
+        raise ValueError("prompt is empty: generation needs at least one token")
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     return prompt
 
-def _check_logprobs(o:SimpleNamespace):
-    "Refuse a `logprobs`/`prompt_logprobs` that is no count of alternatives, and prompt log-probabilities for tokens this prefill never reads."
+
+def _check_logprobs(o: SimpleNamespace):
+    """Refuse a `logprobs`/`prompt_logprobs` that is no count of alternatives, and prompt log-probabilities for tokens
+    this prefill never reads."""
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(o, name)
         if k is not None and (type(k) is not int or k < 0):
             raise ValueError(f"{name} must be None or a number of alternatives per token, an int >= 0; got {k!r}")
     if o.prompt_logprobs is not None and o.cached_tokens:
-        raise ValueError(f"prompt_logprobs scores the prompt from the prefill forward, but {len(o.cached_tokens)} tokens are already in "
-                         "prompt_cache and were never scored here: pass the whole context as the prompt, without a prompt cache")
+        raise ValueError(
+            f"prompt_logprobs scores the prompt from the prefill forward, but {len(o.cached_tokens)} tokens are "
+            "already in "
+            "prompt_cache and were never scored here: pass the whole context as the prompt, without a prompt cache"
+        )
 
 # %% ../nbs/07_executor.ipynb #857cad4f
 @dataclass
 class SpecRequest:
     "One generation's state: what the phases read and move on."
+
     model: object
-    cache: list                  # the target's caches
-    res: SpecResult              # filled in as generation runs: tokens, finish reason, stats, fed
-    prompt: list                 # the new tokens
-    full: list                   # the whole context: what the cache held, then `prompt`
-    o: SimpleNamespace           # the options (`spec_options`)
-    eos: set                     # ids that end generation, a grammar's stop tokens included
-    procs: list | None           # the logits processors; None: none, and no history to build
-    rejection: bool              # the rounds use speculative sampling, not exact match
-    source: object = None        # the request's `DraftSource`; None: plain decoding
-    tap: Tap | None = None       # the target's hidden states, for a source that reads them
-    pending: int | None = None   # the last token the target has not read
-    feed: list | None = None     # the tokens the draft has not read
-    scores: list | None = None   # with `logprobs`: the round's `(logprob, top)` per token, from `accept_drafts`
+    cache: list  # the target's caches
+    res: SpecResult  # filled in as generation runs: tokens, finish reason, stats, fed
+    prompt: list  # the new tokens
+    full: list  # the whole context: what the cache held, then `prompt`
+    o: SimpleNamespace  # the options (`spec_options`)
+    eos: set  # ids that end generation, a grammar's stop tokens included
+    procs: list | None  # the logits processors; None: none, and no history to build
+    rejection: bool  # the rounds use speculative sampling, not exact match
+    source: object = None  # the request's `DraftSource`; None: plain decoding
+    tap: Tap | None = None  # the target's hidden states, for a source that reads them
+    pending: int | None = None  # the last token the target has not read
+    feed: list | None = None  # the tokens the draft has not read
+    scores: list | None = None  # with `logprobs`: the round's `(logprob, top)` per token, from `accept_drafts`
 
     @property
-    def out(self)->list: return self.res.tokens
+    def out(self) -> list:
+        return self.res.tokens
+
     @property
     def watch(self):
-        "Around the target forwards whose rows the source reads: its tap, or a source's own `watch()` (05p's assistant reads the final norm)."
-        if self.tap: return self.tap
+        """Around the target forwards whose rows the source reads: its tap, or a source's own `watch()` (05p's assistant
+        reads the final norm)."""
+        if self.tap:
+            return self.tap
         return self.source.watch() if hasattr(self.source, "watch") else nullcontext()
-    def history(self)->mx.array|None: return mx.array(self.full + self.out, mx.uint32) if self.procs else None
+
+    def history(self) -> mx.array | None:
+        return mx.array(self.full + self.out, mx.uint32) if self.procs else None
+
     @property
     def prompt_scorer(self):
-        "What the prefill hands each chunk's logits to when `prompt_logprobs` are asked (None: nothing, and no logits computed)."
+        """What the prefill hands each chunk's logits to when `prompt_logprobs` are asked (None: nothing, and no logits
+        computed)."""
         return None if self.o.prompt_logprobs is None else self._score_prompt
 
-    def _score_prompt(self, logits:mx.array):
+    def _score_prompt(self, logits: mx.array):
         "Row `j` of the chunk scores the context token after it: the next ones `res.prompt_logprobs` has no entry for."
         scored = self.res.prompt_logprobs
-        scored += position_logprobs(logits, self.full[len(scored):len(scored) + logits.shape[0]], self.o.prompt_logprobs)
+        scored += position_logprobs(
+            logits, self.full[len(scored) : len(scored) + logits.shape[0]], self.o.prompt_logprobs
+        )
 
-    def finish(self, reason:str)->bool:
+    def finish(self, reason: str) -> bool:
         "Generation ends with `reason`; True, which a phase returns to say so."
         self.res.finish_reason = reason
         return True
 
 # %% ../nbs/07_executor.ipynb #ea96fca6
-def _target_cache(model, provider, o:SimpleNamespace)->list:
-    "The target's caches: ones speculation can roll back (sliding windows with slack, recurrent state), or mlx-lm's own for plain decoding."
-    if provider is None: return make_prompt_cache(model) if o.prompt_cache is None else o.prompt_cache
-    return spec_cache(model, o.num_draft_tokens + 1, o.prompt_cache)   # a caller's prompt cache is converted in place
+def _target_cache(model, provider, o: SimpleNamespace) -> list:
+    """The target's caches: ones speculation can roll back (sliding windows with slack, recurrent state), or mlx-lm's
+    own for plain decoding."""
+    if provider is None:
+        return make_prompt_cache(model) if o.prompt_cache is None else o.prompt_cache
+    return spec_cache(model, o.num_draft_tokens + 1, o.prompt_cache)  # a caller's prompt cache is converted in place
 
-def open_request(model,             # the target: an mlx-lm model
-                 provider,          # a `DraftProvider`; None: plain decoding
-                 prompt,            # token ids (list or mx.array) not yet in `o.prompt_cache`
-                 res:SpecResult,    # the result the request fills in
-                 o:SimpleNamespace, # the options (`spec_options(...)`)
-                )->SpecRequest:
+
+def open_request(
+    model,  # the target: an mlx-lm model
+    provider,  # a `DraftProvider`; None: plain decoding
+    prompt,  # token ids (list or mx.array) not yet in `o.prompt_cache`
+    res: SpecResult,  # the result the request fills in
+    o: SimpleNamespace,  # the options (`spec_options(...)`)
+) -> SpecRequest:
     "A request ready to prefill: the options checked, the target's cache, the source opened (and its tap)."
     prompt = _check_args(prompt, o.num_draft_tokens, o.max_tokens, o.acceptance, o.sampler)
     _check_logprobs(o)
@@ -193,7 +246,8 @@ def open_request(model,             # the target: an mlx-lm model
     # greedy: p and q are point masses and both rules are exact match
     rejection = o.acceptance == "rejection" and o.sampler is not None and getattr(o.sampler, "temp", 1) != 0
     r = SpecRequest(model, cache, res, prompt, full, o, eos, o.logits_processors or None, rejection)
-    if o.prompt_logprobs is not None: res.prompt_logprobs = [None]   # the context's first token: nothing before it
+    if o.prompt_logprobs is not None:
+        res.prompt_logprobs = [None]  # the context's first token: nothing before it
     st = res.stats
     st.prompt_tokens = len(prompt)
     st.drafted_by_pos = [0] * o.num_draft_tokens
@@ -201,209 +255,287 @@ def open_request(model,             # the target: an mlx-lm model
     st.rule = "rejection" if rejection else "match"
     if provider is not None:
         check_rollbackable(cache)
-        r.source = provider.open(sampler=o.sampler, logits_processors=r.procs, target=TargetView(model, cache),
-                                 prefill_step_size=o.prefill_step_size, grammar=o.grammar)
-    if getattr(r.source, "tap_layers", None): r.tap = Tap(model, r.source.tap_layers)
+        r.source = provider.open(
+            sampler=o.sampler,
+            logits_processors=r.procs,
+            target=TargetView(model, cache),
+            prefill_step_size=o.prefill_step_size,
+            grammar=o.grammar,
+        )
+    if getattr(r.source, "tap_layers", None):
+        r.tap = Tap(model, r.source.tap_layers)
     return r
 
 # %% ../nbs/07_executor.ipynb #10c1f302
-def read_prompt(r:SpecRequest)->bool:
-    "The target reads `prompt[:-1]`, the source the whole context; `pending` is the last prompt token. True when `should_stop` cut it short."
-    with r.watch: fed = prefill_drain(r.model, r.cache, r.prompt[:-1], r.o.prefill_step_size, r.o.should_stop, r.prompt_scorer)
-    if fed < len(r.prompt) - 1: return r.finish("cancelled")
+def read_prompt(r: SpecRequest) -> bool:
+    """The target reads `prompt[:-1]`, the source the whole context; `pending` is the last prompt token. True when
+    `should_stop` cut it short."""
+    with r.watch:
+        fed = prefill_drain(r.model, r.cache, r.prompt[:-1], r.o.prefill_step_size, r.o.should_stop, r.prompt_scorer)
+    if fed < len(r.prompt) - 1:
+        return r.finish("cancelled")
     r.pending = r.prompt[-1]
     r.feed = [r.pending]
-    if r.source is not None: r.source.prefill(r.full, ctx=r.o.draft_cache)
+    if r.source is not None:
+        r.source.prefill(r.full, ctx=r.o.draft_cache)
     return False
 
 # %% ../nbs/07_executor.ipynb #0c9178c2
-def _plain_steps(r:SpecRequest, n_steps:int, watch=nullcontext()):
+def _plain_steps(r: SpecRequest, n_steps: int, watch=nullcontext()):
     "Plain one-token decoding from `pending`, at most `n_steps` tokens; returns True when generation ended."
     for _ in range(n_steps):
-        with watch: logits = r.model(mx.array([[r.pending]], mx.uint32), cache=r.cache)[0]
+        with watch:
+            logits = r.model(mx.array([[r.pending]], mx.uint32), cache=r.cache)[0]
         r.res.stats.target_calls += 1
         r.res.fed = len(r.out)
         logits = processed_logits(logits, r.history(), r.procs)
         t = sample_one(logits, sampler=r.o.sampler, grammar=r.o.grammar).item()
-        if t in r.eos: return r.finish("stop")
-        if r.o.grammar is not None: r.o.grammar.advance(t)
+        if t in r.eos:
+            return r.finish("stop")
+        if r.o.grammar is not None:
+            r.o.grammar.advance(t)
         r.out.append(t)
-        if r.o.logprobs is not None: r.res.logprobs += position_logprobs(logits, [t], r.o.logprobs)
+        if r.o.logprobs is not None:
+            r.res.logprobs += position_logprobs(logits, [t], r.o.logprobs)
         yield t
-        if len(r.out) == r.o.max_tokens: return r.finish("length")
-        if r.o.grammar is not None and r.o.grammar.terminated: return r.finish("stop")
+        if len(r.out) == r.o.max_tokens:
+            return r.finish("length")
+        if r.o.grammar is not None and r.o.grammar.terminated:
+            return r.finish("stop")
         r.pending = t
     return False
 
 # %% ../nbs/07_executor.ipynb #26adc4b9
-def propose_drafts(r:SpecRequest, n:int)->tuple:
+def propose_drafts(r: SpecRequest, n: int) -> tuple:
     "Up to `n` tokens from the source (handed the target's kept rows if it reads them), and how many."
     anchor = r.tap.take() if r.tap else None
     drafts = r.source.draft(r.feed, n, len(r.out), anchor_hidden=anchor)
     d = drafts.size if isinstance(drafts, mx.array) else len(drafts)
-    if d > n: raise RuntimeError(f"the draft source returned {d} tokens, more than the {n} asked for")
+    if d > n:
+        raise RuntimeError(f"the draft source returned {d} tokens, more than the {n} asked for")
     return drafts, d
 
 # %% ../nbs/07_executor.ipynb #c275ac22
-def verify_drafts(r:SpecRequest, drafts)->mx.array:
+def verify_drafts(r: SpecRequest, drafts) -> mx.array:
     "One target forward over `[pending, *drafts]`: logits for every position of the window."
-    with r.watch: return verify_forward(r.model, r.cache, r.pending, drafts)
+    with r.watch:
+        return verify_forward(r.model, r.cache, r.pending, drafts)
 
 # %% ../nbs/07_executor.ipynb #1a4069ba
-def accept_drafts(r:SpecRequest,
-                  logits:mx.array, # (d+1, V): the verify window's
-                  drafts,          # what `propose_drafts` proposed
-                  d:int,           # how many
-                 )->tuple:
-    "The accept walk over the window: the round's tokens (`k` accepted drafts, then the correction or bonus) and `k`; with `logprobs`, their `scores`."
-    q = r.source.draft_logprobs() if r.rejection and d else None   # None (prompt lookup): exact match this round
+def accept_drafts(
+    r: SpecRequest,
+    logits: mx.array,  # (d+1, V): the verify window's
+    drafts,  # what `propose_drafts` proposed
+    d: int,  # how many
+) -> tuple:
+    """The accept walk over the window: the round's tokens (`k` accepted drafts, then the correction or bonus) and `k`;
+    with `logprobs`, their `scores`."""
+    q = r.source.draft_logprobs() if r.rejection and d else None  # None (prompt lookup): exact match this round
     seen = [] if r.o.logprobs is not None else None
-    toks, k = accept_walk(logits, drafts, r.o.sampler, r.procs, r.o.grammar, r.history(), r.eos, draft_logprobs=q, seen=seen)
-    if seen is not None: r.scores = position_logprobs(mx.concatenate(seen), toks, r.o.logprobs)   # the whole window: one read-back
+    toks, k = accept_walk(
+        logits, drafts, r.o.sampler, r.procs, r.o.grammar, r.history(), r.eos, draft_logprobs=q, seen=seen
+    )
+    if seen is not None:
+        r.scores = position_logprobs(mx.concatenate(seen), toks, r.o.logprobs)  # the whole window: one read-back
     return toks, k
 
 # %% ../nbs/07_executor.ipynb #f87b215f
-def _rollback(r:SpecRequest, d:int, kept:int, before:int):
-    "The target keeps `pending` and the first `kept` drafts: its cache and the tap give back the other `d - kept` positions."
+def _rollback(r: SpecRequest, d: int, kept: int, before: int):
+    """The target keeps `pending` and the first `kept` drafts: its cache and the tap give back the other `d - kept`
+    positions."""
     rollback(r.cache, d - kept)
     r.res.fed = before + kept
-    if r.tap: r.tap.trim(d - kept)
+    if r.tap:
+        r.tap.trim(d - kept)
 
 # %% ../nbs/07_executor.ipynb #5d29d4c1
-def emit_tokens(r:SpecRequest,
-                toks:list, # the round's tokens, from `accept_drafts`
-                d:int,     # drafts verified
-                k:int,     # drafts accepted
-               ):
-    "The round's tokens, one at a time, until EOS, `max_tokens` or the grammar's end; then the rollback. Returns True when generation ended."
+def emit_tokens(
+    r: SpecRequest,
+    toks: list,  # the round's tokens, from `accept_drafts`
+    d: int,  # drafts verified
+    k: int,  # drafts accepted
+):
+    """The round's tokens, one at a time, until EOS, `max_tokens` or the grammar's end; then the rollback. Returns True
+    when generation ended."""
     before = len(r.out)
     try:
         for i, t in enumerate(toks):
-            if t in r.eos: return r.finish("stop")
+            if t in r.eos:
+                return r.finish("stop")
             r.out.append(t)
-            if r.scores is not None: r.res.logprobs.append(r.scores[i])   # before the consumer sees the token
+            if r.scores is not None:
+                r.res.logprobs.append(r.scores[i])  # before the consumer sees the token
             yield t
-            if len(r.out) == r.o.max_tokens: return r.finish("length")
+            if len(r.out) == r.o.max_tokens:
+                return r.finish("length")
         # the walk already cut `toks` at the token that completed the grammar
-        if r.o.grammar is not None and r.o.grammar.terminated: return r.finish("stop")
+        if r.o.grammar is not None and r.o.grammar.terminated:
+            return r.finish("stop")
         return False
-    finally:   # also runs when the consumer closes us mid-burst
+    finally:  # also runs when the consumer closes us mid-burst
         _rollback(r, d, min(len(r.out) - before, k), before)
 
 # %% ../nbs/07_executor.ipynb #578153ba
-def commit_round(r:SpecRequest,
-                 drafts:list, # the round's drafts, as a list
-                 toks:list,   # the round's tokens, from `accept_drafts`
-                 d:int,       # drafts verified
-                 k:int,       # drafts accepted
-                ):
-    "Generation goes on: the source commits, the correction (or bonus) is `pending`, and `feed` is what the draft has not read."
+def commit_round(
+    r: SpecRequest,
+    drafts: list,  # the round's drafts, as a list
+    toks: list,  # the round's tokens, from `accept_drafts`
+    d: int,  # drafts verified
+    k: int,  # drafts accepted
+):
+    """Generation goes on: the source commits, the correction (or bonus) is `pending`, and `feed` is what the draft has
+    not read."""
     r.source.commit(d, k)
     r.pending = toks[k]
     r.feed = [drafts[-1], r.pending] if k == d > 0 else [r.pending]
 
 # %% ../nbs/07_executor.ipynb #bbb2ccff
-def _round(r:SpecRequest, n:int):
+def _round(r: SpecRequest, n: int):
     "Draft, verify, accept, emit, roll back — and, if generation goes on, advance. Returns True when generation ended."
     drafts, d = propose_drafts(r, n)
     logits = verify_drafts(r, drafts)
     toks, k = accept_drafts(r, logits, drafts, d)
-    if isinstance(drafts, mx.array): drafts = drafts.tolist()   # already computed by the walk's read-back
+    if isinstance(drafts, mx.array):
+        drafts = drafts.tolist()  # already computed by the walk's read-back
     r.res.stats.count_round(d, k)
-    if (yield from emit_tokens(r, toks, d, k)): return True
+    if (yield from emit_tokens(r, toks, d, k)):
+        return True
     commit_round(r, drafts, toks, d, k)
     return False
 
 # %% ../nbs/07_executor.ipynb #3c72832d
-def _speculate(r:SpecRequest):
-    "Rounds until generation ends (True), or until a sliding window would wrap and plain decoding must take over (False)."
+def _speculate(r: SpecRequest):
+    """Rounds until generation ends (True), or until a sliding window would wrap and plain decoding must take over
+    (False)."""
     if len(r.full) == 1:
-        if (yield from _plain_steps(r, 1, r.watch)): return True
+        if (yield from _plain_steps(r, 1, r.watch)):
+            return True
         r.feed = [r.full[0], r.pending]
     while True:
         n = min(r.o.num_draft_tokens, r.o.max_tokens - len(r.out))
-        if not can_take(r.cache, n + 1):   # a sliding window is about to wrap: rollback would be impossible
+        if not can_take(r.cache, n + 1):  # a sliding window is about to wrap: rollback would be impossible
             r.res.stats.fallback_at = len(r.out)
             return False
-        if (yield from _round(r, n)): return True
+        if (yield from _round(r, n)):
+            return True
 
 # %% ../nbs/07_executor.ipynb #55ac33c1
-def close_request(r:SpecRequest,
-                  t1:float, # when decoding began (`time.perf_counter()`)
-                 ):
+def close_request(
+    r: SpecRequest,
+    t1: float,  # when decoding began (`time.perf_counter()`)
+):
     "Save the draft's caches beside a prompt cache, close the source, and count."
     if r.source is not None:
-        if r.o.prompt_cache is not None and r.res.finish_reason != "cancelled":   # a cut-short prefill holds nothing worth saving
-            held = r.full + r.out[:r.res.fed]
-            if r.tap is None: r.res.draft_cache = r.source.save(held)
-            else: r.res.draft_cache = r.source.save(held, anchor_hidden=r.tap.take())   # and the kept rows it has not read
+        if (
+            r.o.prompt_cache is not None and r.res.finish_reason != "cancelled"
+        ):  # a cut-short prefill holds nothing worth saving
+            held = r.full + r.out[: r.res.fed]
+            if r.tap is None:
+                r.res.draft_cache = r.source.save(held)
+            else:
+                r.res.draft_cache = r.source.save(held, anchor_hidden=r.tap.take())  # and the kept rows it has not read
         r.source.close()
     r.res.stats.generated = len(r.out)
     r.res.stats.decode_s = time.perf_counter() - t1
 
 # %% ../nbs/07_executor.ipynb #9572871e
-def _run(model, provider, prompt, res:SpecResult, o:SimpleNamespace):
+def _run(model, provider, prompt, res: SpecResult, o: SimpleNamespace):
     "The executor: yields emitted token ids and fills `res`."
     r = open_request(model, provider, prompt, res, o)
     t0 = t1 = time.perf_counter()
     try:
-        if read_prompt(r): return
+        if read_prompt(r):
+            return
         res.stats.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         if r.source is not None:
-            if (yield from _speculate(r)): return
-            r.source.close()   # a fallback: nothing of the draft is worth saving
+            if (yield from _speculate(r)):
+                return
+            r.source.close()  # a fallback: nothing of the draft is worth saving
             r.source = None
         yield from _plain_steps(r, o.max_tokens)
-    finally: close_request(r, t1)
+    finally:
+        close_request(r, t1)
 
 # %% ../nbs/07_executor.ipynb #04b14c23
 class SpecStream:
     "An iterator of emitted token ids; `.result` (a `SpecResult`) fills in as it runs. `close()` halts generation."
-    def __init__(self, gen, result): self._gen, self.result = gen, result
-    def __iter__(self): return self
-    def __next__(self): return next(self._gen)
-    def close(self): self._gen.close()
-    def __enter__(self): return self
-    def __exit__(self, *exc): self.close()
+
+    def __init__(self, gen, result):
+        self._gen, self.result = gen, result
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._gen)
+
+    def close(self):
+        self._gen.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 @delegates(spec_options)
-def spec_stream(model, provider, prompt, **kwargs)->SpecStream:
+def spec_stream(model, provider, prompt, **kwargs) -> SpecStream:
     "Speculative decoding as a stream of token ids (the arguments are `spec_generate`'s but `on_token`)."
     res = SpecResult()
     return SpecStream(_run(model, provider, prompt, res, spec_options(**kwargs)), res)
 
+
 @delegates(spec_stream)
-def spec_generate(model,         # the target: an mlx-lm model
-                  provider,      # a `DraftProvider` (e.g. `TwoModelProvider(draft)`); None: plain decoding
-                  prompt,        # token ids (list or mx.array) not yet in `prompt_cache`
-                  *,
-                  on_token=None, # called with each token id; returning False halts
-                  **kwargs)->SpecResult:
+def spec_generate(
+    model,  # the target: an mlx-lm model
+    provider,  # a `DraftProvider` (e.g. `TwoModelProvider(draft)`); None: plain decoding
+    prompt,  # token ids (list or mx.array) not yet in `prompt_cache`
+    *,
+    on_token=None,  # called with each token id; returning False halts
+    **kwargs,
+) -> SpecResult:
     "Generate with speculative decoding; the output is the target's own, token for token."
     stream = spec_stream(model, provider, prompt, **kwargs)
     try:
         for t in stream:
-            if on_token is not None and on_token(t) is False: break
-    finally: stream.close()   # halts the loop at once, restoring the cache invariant, also when on_token raised
+            if on_token is not None and on_token(t) is False:
+                break
+    finally:
+        stream.close()  # halts the loop at once, restoring the cache invariant, also when on_token raised
     return stream.result
+
 
 DRAFT_OPTIONS = ("num_draft_tokens", "acceptance", "draft_cache")
 
+
 @delegates(spec_generate, but=DRAFT_OPTIONS)
-def generate(model, prompt, **kwargs)->SpecResult:
+def generate(model, prompt, **kwargs) -> SpecResult:
     "Plain decoding through the same loop, with the same result type."
     drafty = [k for k in DRAFT_OPTIONS if k in kwargs]
-    if drafty: raise TypeError(f"generate has no draft, so {drafty} mean nothing to it: use spec_generate")
+    if drafty:
+        raise TypeError(f"generate has no draft, so {drafty} mean nothing to it: use spec_generate")
     return spec_generate(model, None, prompt, **kwargs)
 
 # %% ../nbs/07_executor.ipynb #81f0d458
-_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "max_seq_len", "n_positions", "seq_length", "context_length", "n_ctx")
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "max_sequence_length",
+    "max_seq_len",
+    "n_positions",
+    "seq_length",
+    "context_length",
+    "n_ctx",
+)
 
-def context_length(model)->int|None:
-    "The longest context `model`'s config names (`max_position_embeddings` or another spelling of it); None when it names none."
+
+def context_length(model) -> int | None:
+    """The longest context `model`'s config names (`max_position_embeddings` or another spelling of it); None when it
+    names none."""
     args = getattr(model, "args", None)
     for k in _CONTEXT_KEYS:
         v = getattr(args, k, None) if not isinstance(args, dict) else args.get(k)
-        if isinstance(v, int) and v > 0: return v
+        if isinstance(v, int) and v > 0:
+            return v
     return None

@@ -20,34 +20,43 @@ def next_token_dist(model, ids, sampling):
     lg = model(mx.array(ids)[None])[0, -1:]
     return np.array(mx.exp(sampling.logprobs(lg - mx.logsumexp(lg, axis=-1, keepdims=True)))[0], dtype=np.float64)
 
+
 def chi2_pvalue(counts, probs):
-    "Chi-square p-value of `counts` against `probs`, pooling the bins expected to hold fewer than 5 (scipy: a dev dependency, imported here)."
-    try: from scipy.stats import chisquare
-    except ImportError as e: raise ImportError("chi2_pvalue needs scipy, a dev dependency: pip install scipy") from e
+    """Chi-square p-value of `counts` against `probs`, pooling the bins expected to hold fewer than 5 (scipy: a dev
+    dependency, imported here)."""
+    try:
+        from scipy.stats import chisquare
+    except ImportError as e:
+        raise ImportError("chi2_pvalue needs scipy, a dev dependency: pip install scipy") from e
     impossible = probs <= 0
     assert counts[impossible].sum() == 0, "a token the target cannot sample (cut by top-p) was emitted"
     counts, probs = counts[~impossible], probs[~impossible]
     n, exp_ = counts.sum(), probs * counts.sum()
     big = exp_ >= 5
     obs, e = list(counts[big]), list(exp_[big])
-    if (~big).any(): obs.append(counts[~big].sum()); e.append(exp_[~big].sum())
+    if (~big).any():
+        obs.append(counts[~big].sum())
+        e.append(exp_[~big].sum())
     return chisquare(obs, np.array(e) * n / np.sum(e)).pvalue
 
-
 # %% ../nbs/07b_sampling.ipynb #db5d7f41
-def target_dists(model, prompt:list, sampling, vocab:int)->tuple:
+def target_dists(model, prompt: list, sampling, vocab: int) -> tuple:
     "The exact distributions of the first and the second token after `prompt`: p(·), and Σₓ p(x)·p(· | prompt, x)."
     p1 = next_token_dist(model, prompt, sampling)
     p2 = sum(p1[x] * next_token_dist(model, prompt + [x], sampling) for x in range(vocab) if p1[x] > 0)
     return p1, p2
 
-def sampled_counts(target, provider, prompt:list, vocab:int, seeds:int, sampling, rule:str, **kw)->tuple:
-    "`(first, second, kept, drafted)`: counts of the first two emitted tokens over `seeds` seeded runs, and the drafts kept and made."
+
+def sampled_counts(target, provider, prompt: list, vocab: int, seeds: int, sampling, rule: str, **kw) -> tuple:
+    """`(first, second, kept, drafted)`: counts of the first two emitted tokens over `seeds` seeded runs, and the drafts
+    kept and made."""
     first, second = np.zeros(vocab), np.zeros(vocab)
     kept = drafted = 0
     for seed in range(seeds):
         mx.random.seed(seed)
-        r = spec_generate(target, provider, prompt, max_tokens=2, sampler=sampling, acceptance=rule, **{"num_draft_tokens": 3, **kw})
+        r = spec_generate(
+            target, provider, prompt, max_tokens=2, sampler=sampling, acceptance=rule, **{"num_draft_tokens": 3, **kw}
+        )
         first[r.tokens[0]] += 1
         second[r.tokens[1]] += 1
         kept += r.stats.accepted
@@ -55,83 +64,127 @@ def sampled_counts(target, provider, prompt:list, vocab:int, seeds:int, sampling
     return first, second, kept, drafted
 
 # %% ../nbs/07b_sampling.ipynb #b8599e23
-def distribution_gate(target, provider, vocab:int,
-                      seeds:int=400,                # seeded runs per rule
-                      prompt:tuple=(3, 1, 4, 1, 5),
-                      sampling=None,                # default: temperature 1
-                      rules:tuple=("match", "rejection"),
-                      alpha:float=0.001,            # the smallest p-value that passes (a few hundred seeds: a gross error)
-                      **kw,                         # for `spec_generate` (`num_draft_tokens`, `prefill_step_size`, …)
-                     )->dict:
-    "The first two emitted tokens against the target's exact distributions under each rule: prints a line per rule, fails below `alpha`; `{rule: (p_first, p_second, kept, drafted)}`."
+def distribution_gate(
+    target,
+    provider,
+    vocab: int,
+    seeds: int = 400,  # seeded runs per rule
+    prompt: tuple = (3, 1, 4, 1, 5),
+    sampling=None,  # default: temperature 1
+    rules: tuple = ("match", "rejection"),
+    alpha: float = 0.001,  # the smallest p-value that passes (a few hundred seeds: a gross error)
+    **kw,  # for `spec_generate` (`num_draft_tokens`, `prefill_step_size`, …)
+) -> dict:
+    """The first two emitted tokens against the target's exact distributions under each rule: prints a line per rule,
+    fails below `alpha`; `{rule: (p_first, p_second, kept, drafted)}`."""
     sampling, prompt, out = sampling or Sampling(temp=1.0), list(prompt), {}
     p1, p2 = target_dists(target, prompt, sampling, vocab)
     for rule in rules:
         c1, c2, kept, drafted = sampled_counts(target, provider, prompt, vocab, seeds, sampling, rule, **kw)
         out[rule] = (chi2_pvalue(c1, p1), chi2_pvalue(c2, p2), kept, drafted)
-        print(f"{rule:9s}: first token p={out[rule][0]:.3f}, second token p={out[rule][1]:.3f}; {kept} of {drafted} drafts kept ({seeds} seeds)")
+        print(
+            f"{rule:9s}: first token p={out[rule][0]:.3f}, second token p={out[rule][1]:.3f}; {kept} of {drafted} "
+            f"drafts kept ({seeds} seeds)"
+        )
         assert min(out[rule][:2]) > alpha, (rule, out[rule])
     return out
 
 # %% ../nbs/07b_sampling.ipynb #b967b726
 class RecordingSampler:
-    "A sampler that remembers each call: the log-probabilities it was handed and the tokens it drew (everything else is `sampler`'s)."
+    """A sampler that remembers each call: the log-probabilities it was handed and the tokens it drew (everything else
+    is `sampler`'s)."""
+
     def __init__(self, sampler):
         self.sampler = sampler
         self.draws = []
-    def __call__(self, logprobs:mx.array)->mx.array:
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
         y = self.sampler(logprobs)
         self.draws.append((logprobs, y))
         return y
-    def __getattr__(self, name): return getattr(self.__dict__["sampler"], name)
 
-def check_draft(tokens, q:mx.array, recorder:RecordingSampler)->int:
-    "Fail unless `q` — what a source reports for its `tokens` — is the distribution the sampler drew each of them from; the rows checked."
-    tokens = np.array(mx.concatenate([mx.array(t).reshape(-1) for t in tokens]) if isinstance(tokens, list) else tokens).reshape(-1)
+    def __getattr__(self, name):
+        return getattr(self.__dict__["sampler"], name)
+
+
+def check_draft(tokens, q: mx.array, recorder: RecordingSampler) -> int:
+    """Fail unless `q` — what a source reports for its `tokens` — is the distribution the sampler drew each of them
+    from; the rows checked."""
+    tokens = np.array(
+        mx.concatenate([mx.array(t).reshape(-1) for t in tokens]) if isinstance(tokens, list) else tokens
+    ).reshape(-1)
     d = len(tokens)
     assert recorder.draws, "the source reported draft log-probabilities but drew nothing through the request's sampler"
     rows = mx.concatenate([lp.reshape(-1, lp.shape[-1]) for lp, _ in recorder.draws])[:d]
     drawn = np.array(mx.concatenate([y.reshape(-1) for _, y in recorder.draws]))[:d]
     assert (drawn == tokens).all(), f"the source proposed {tokens.tolist()} but drew {drawn.tolist()}"
     want, have = np.array(mx.exp(recorder.sampler.logprobs(rows))), np.array(mx.exp(q[:d]))
-    assert np.abs(want - have).max() < 1e-5, f"reported draft probabilities differ from those drawn from by {np.abs(want - have).max():.2e}"
+    assert np.abs(want - have).max() < 1e-5, (
+        f"reported draft probabilities differ from those drawn from by {np.abs(want - have).max():.2e}"
+    )
     assert (have[np.arange(d), tokens] > 0).all(), "a drafted token has probability 0 in the reported distribution"
     return d
 
+
 class _CheckedSource:
     "A source whose every reported draft distribution is checked against the draws behind it."
-    def __init__(self, source, recorder, checked:list): self.source, self.recorder, self.checked, self.tokens = source, recorder, checked, []
-    def __getattr__(self, name): return getattr(self.__dict__["source"], name)
+
+    def __init__(self, source, recorder, checked: list):
+        self.source, self.recorder, self.checked, self.tokens = source, recorder, checked, []
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["source"], name)
+
     def draft(self, feed, n, step=0, anchor_hidden=None):
         self.recorder.draws.clear()
         self.tokens = self.source.draft(feed, n, step, anchor_hidden=anchor_hidden)
         return self.tokens
+
     def draft_logprobs(self):
         q = self.source.draft_logprobs()
-        if q is not None and len(self.tokens): self.checked.append(check_draft(self.tokens, q, self.recorder))
+        if q is not None and len(self.tokens):
+            self.checked.append(check_draft(self.tokens, q, self.recorder))
         return q
 
+
 class CheckedProvider:
-    "A provider wrapper for the gate: the source it opens draws through a `RecordingSampler`, and `checked` lists the rows each round's check covered."
+    """A provider wrapper for the gate: the source it opens draws through a `RecordingSampler`, and `checked` lists the
+    rows each round's check covered."""
+
     def __init__(self, provider):
         self.provider = provider
         self.checked = []
-    def __getattr__(self, name): return getattr(self.__dict__["provider"], name)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["provider"], name)
+
     def open(self, sampler=None, **kw):
         recorder = RecordingSampler(sampler)
         return _CheckedSource(self.provider.open(sampler=recorder, **kw), recorder, self.checked)
 
-def check_draft_probs(target, provider, seeds:int=8,
-                      prompt:tuple=(3, 1, 4, 1, 5),
-                      sampling=None,              # default: temperature 1, top-p 0.9
-                      max_tokens:int=12,
-                      **kw,                       # for `spec_generate`
-                     )->int:
-    "The deterministic half of the gate: over `seeds` runs under the rejection rule, every draft distribution the source reports is the one it sampled from; the rows checked."
+
+def check_draft_probs(
+    target,
+    provider,
+    seeds: int = 8,
+    prompt: tuple = (3, 1, 4, 1, 5),
+    sampling=None,  # default: temperature 1, top-p 0.9
+    max_tokens: int = 12,
+    **kw,  # for `spec_generate`
+) -> int:
+    """The deterministic half of the gate: over `seeds` runs under the rejection rule, every draft distribution the
+    source reports is the one it sampled from; the rows checked."""
     checked = CheckedProvider(provider)
     for seed in range(seeds):
         mx.random.seed(seed)
-        spec_generate(target, checked, list(prompt), max_tokens=max_tokens, sampler=sampling or Sampling(temp=1.0, top_p=0.9),
-                      acceptance="rejection", **{"num_draft_tokens": 3, **kw})
+        spec_generate(
+            target,
+            checked,
+            list(prompt),
+            max_tokens=max_tokens,
+            sampler=sampling or Sampling(temp=1.0, top_p=0.9),
+            acceptance="rejection",
+            **{"num_draft_tokens": 3, **kw},
+        )
     assert checked.checked, "no round reported a draft distribution"
     return sum(checked.checked)

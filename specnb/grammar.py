@@ -18,38 +18,47 @@ from xgrammar.kernels.apply_token_bitmask_mlx import apply_token_bitmask_mlx
 # %% ../nbs/06_grammar.ipynb #bb079b02
 class Grammar:
     "A per-request grammar: an xgrammar matcher behind the accept walk's `mask` / `advance` / `terminated`."
-    def __init__(self, compiled:xgr.CompiledGrammar|None, vocab_size:int, stop_token_ids, matcher=None):
+
+    def __init__(self, compiled: xgr.CompiledGrammar | None, vocab_size: int, stop_token_ids, matcher=None):
         self.matcher, self.vocab_size = matcher or xgr.GrammarMatcher(compiled), vocab_size
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         stop = np.zeros(self.bitmask.shape, np.int32)
-        for t in self.stop_token_ids: stop[0, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+        for t in self.stop_token_ids:
+            stop[0, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
         self._not_stop, self._filled, self.terminated = ~stop, False, False
 
     def _fill(self):
-        if not self._filled: self.matcher.fill_next_token_bitmask(self.bitmask); self._filled = True
+        if not self._filled:
+            self.matcher.fill_next_token_bitmask(self.bitmask)
+            self._filled = True
 
-    def mask(self, logits:mx.array)->mx.array:
+    def mask(self, logits: mx.array) -> mx.array:
         "`logits` (1, V) with every token the grammar forbids next at −∞."
         self._fill()
         return apply_token_bitmask_mlx(mx.array(self.bitmask.numpy()), logits, self.vocab_size)
 
-    def advance(self, token:int):
+    def advance(self, token: int):
         "Move past an emitted token; `terminated` turns True when only a stop token may follow."
-        if not self.matcher.accept_token(int(token)): raise RuntimeError(f"the grammar rejected token {token}, which its own mask allowed")
+        if not self.matcher.accept_token(int(token)):
+            raise RuntimeError(f"the grammar rejected token {token}, which its own mask allowed")
         self._filled = False
-        if self.matcher.is_terminated(): self.terminated = True; return
-        self._fill()   # the next position's mask, needed anyway: is anything but a stop token still allowed?
+        if self.matcher.is_terminated():
+            self.terminated = True
+            return
+        self._fill()  # the next position's mask, needed anyway: is anything but a stop token still allowed?
         self.terminated = not np.any(self.bitmask.numpy() & self._not_stop)
 
-    def fork(self)->"Grammar":
-        "An independent copy at the same position (xgrammar's `fork`): a draft walks ahead on it, the original stays put."
+    def fork(self) -> "Grammar":
+        """An independent copy at the same position (xgrammar's `fork`): a draft walks ahead on it, the original stays
+        put."""
         g = Grammar(None, self.vocab_size, self.stop_token_ids, matcher=self.matcher.fork())
         g.terminated = self.terminated
         return g
 
 # %% ../nbs/06_grammar.ipynb #fb921800
 _COMPILERS = {}
+
 
 def _compiler(tokenizer):
     "The (cached) xgrammar compiler for an mlx-lm or Hugging Face tokenizer, and its vocabulary size and stop ids."
@@ -58,145 +67,321 @@ def _compiler(tokenizer):
     if key not in _COMPILERS:
         stop = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
         info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=len(hf), stop_token_ids=stop)
-        _COMPILERS[key] = (xgr.GrammarCompiler(info), len(hf), stop, hf)   # holding hf keeps its id unique
+        _COMPILERS[key] = (xgr.GrammarCompiler(info), len(hf), stop, hf)  # holding hf keeps its id unique
     return _COMPILERS[key][:3]
 
-_SCHEMA_OPTIONS = dict(any_whitespace=False, strict_mode=True)   # free whitespace lets a small model pad forever
 
-def _compile_schema(compiler:xgr.GrammarCompiler, schema:dict)->xgr.CompiledGrammar:
+_SCHEMA_OPTIONS = dict(any_whitespace=False, strict_mode=True)  # free whitespace lets a small model pad forever
+
+
+def _compile_schema(compiler: xgr.GrammarCompiler, schema: dict) -> xgr.CompiledGrammar:
     "`schema` compiled the one way every JSON grammar here is (the compiler caches it by its text)."
     return compiler.compile_json_schema(json.dumps(schema), **_SCHEMA_OPTIONS)
 
-def _grammar(tokenizer, what:str, compile):
+
+def _grammar(tokenizer, what: str, compile):
     comp, vocab, stop = _compiler(tokenizer)
-    try: compiled = compile(comp)
-    except Exception as e: raise ValueError(f"invalid {what}: {e}") from e
+    try:
+        compiled = compile(comp)
+    except Exception as e:
+        raise ValueError(f"invalid {what}: {e}") from e
     return Grammar(compiled, vocab, stop)
 
-def from_json_schema(tokenizer, schema)->Grammar:
-    "Output that is JSON valid against `schema` (a dict, or a JSON string); a keyword xgrammar would not enforce is a `ValueError`."
+
+def from_json_schema(tokenizer, schema) -> Grammar:
+    """Output that is JSON valid against `schema` (a dict, or a JSON string); a keyword xgrammar would not enforce is a
+    `ValueError`."""
     if isinstance(schema, str):
-        try: schema = json.loads(schema)
-        except json.JSONDecodeError as e: raise ValueError(f"invalid JSON schema: not JSON ({e})") from e
-    if not isinstance(schema, dict): raise ValueError(f"invalid JSON schema: expected an object, got {type(schema).__name__}")
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"invalid JSON schema: not JSON ({e})") from e
+    if not isinstance(schema, dict):
+        raise ValueError(f"invalid JSON schema: expected an object, got {type(schema).__name__}")
     _refuse_unenforced(schema)
     return _grammar(tokenizer, "JSON schema", lambda c: _compile_schema(c, schema))
 
-def json_object(tokenizer)->Grammar:
+
+def json_object(tokenizer) -> Grammar:
     "Any JSON object (OpenAI's `response_format: json_object`)."
     return _grammar(tokenizer, "JSON object grammar", lambda c: _compile_schema(c, {"type": "object"}))
 
-def from_regex(tokenizer, pattern:str)->Grammar:
+
+def from_regex(tokenizer, pattern: str) -> Grammar:
     "Output that matches the regular expression `pattern` in full."
     return _grammar(tokenizer, f"regex {pattern!r}", lambda c: c.compile_regex(pattern))
 
-def from_ebnf(tokenizer, text:str)->Grammar:
+
+def from_ebnf(tokenizer, text: str) -> Grammar:
     "Output derived from the EBNF grammar `text` (xgrammar's GBNF dialect; the start rule is `root`)."
     return _grammar(tokenizer, "EBNF grammar", lambda c: c.compile_grammar(text))
 
-def from_choices(tokenizer, choices)->Grammar:
+
+def from_choices(tokenizer, choices) -> Grammar:
     "Exactly one of the strings in `choices`."
     choices = list(choices)
     if not choices or not all(isinstance(c, str) and c for c in choices):
         raise ValueError(f"choices must be a non-empty list of non-empty strings, got {choices!r}")
-    return _grammar(tokenizer, "choices", lambda c: c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in choices)))
+    return _grammar(
+        tokenizer, "choices", lambda c: c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in choices))
+    )
 
 # %% ../nbs/06_grammar.ipynb #8e333cdd
-_TYPES_OF = {**dict.fromkeys(["minLength", "maxLength", "pattern", "format"], {"string"}),
-             **dict.fromkeys(["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"], {"integer", "number"}),
-             **dict.fromkeys(["items", "prefixItems", "additionalItems", "contains", "minContains", "maxContains", "minItems", "maxItems",
-                              "uniqueItems", "unevaluatedItems"], {"array"}),
-             **dict.fromkeys(["properties", "required", "additionalProperties", "patternProperties", "propertyNames", "minProperties",
-                              "maxProperties", "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties"], {"object"})}
-_KEYWORDS = set(_TYPES_OF) | {"type", "enum", "const", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef"}
-_ONE = {"additionalProperties", "propertyNames", "items", "additionalItems", "contains", "unevaluatedItems", "unevaluatedProperties", "not", "if", "then", "else"}
+_TYPES_OF = {
+    **dict.fromkeys(["minLength", "maxLength", "pattern", "format"], {"string"}),
+    **dict.fromkeys(
+        ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"], {"integer", "number"}
+    ),
+    **dict.fromkeys(
+        [
+            "items",
+            "prefixItems",
+            "additionalItems",
+            "contains",
+            "minContains",
+            "maxContains",
+            "minItems",
+            "maxItems",
+            "uniqueItems",
+            "unevaluatedItems",
+        ],
+        {"array"},
+    ),
+    **dict.fromkeys(
+        [
+            "properties",
+            "required",
+            "additionalProperties",
+            "patternProperties",
+            "propertyNames",
+            "minProperties",
+            "maxProperties",
+            "dependentRequired",
+            "dependentSchemas",
+            "dependencies",
+            "unevaluatedProperties",
+        ],
+        {"object"},
+    ),
+}
+_KEYWORDS = set(_TYPES_OF) | {
+    "type",
+    "enum",
+    "const",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "not",
+    "if",
+    "then",
+    "else",
+    "$ref",
+    "$dynamicRef",
+    "$recursiveRef",
+}
+_ONE = {
+    "additionalProperties",
+    "propertyNames",
+    "items",
+    "additionalItems",
+    "contains",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "not",
+    "if",
+    "then",
+    "else",
+}
 _LIST = {"prefixItems", "allOf", "anyOf", "oneOf", "items"}
-_MAP = {"properties", "patternProperties", "dependentSchemas", "dependencies", "$defs", "definitions"}   # name → subschema
+_MAP = {
+    "properties",
+    "patternProperties",
+    "dependentSchemas",
+    "dependencies",
+    "$defs",
+    "definitions",
+}  # name → subschema
 
-def _label(k:str, v, node:dict, types:set)->str|None:
+
+def _label(k: str, v, node: dict, types: set) -> str | None:
     "The probe table's row for keyword `k` (value `v`) in schema `node` of `types`; None where it constrains nothing."
     of = _TYPES_OF.get(k)
-    if (of and types and not types & of) or (k == "uniqueItems" and v is False) or k == "if" or (k in ("then", "else") and "if" not in node): return None
-    if k != "$ref" and "$ref" in node: return f"{k} (next to $ref)"
+    if (
+        (of and types and not types & of)
+        or (k == "uniqueItems" and v is False)
+        or k == "if"
+        or (k in ("then", "else") and "if" not in node)
+    ):
+        return None
+    if k != "$ref" and "$ref" in node:
+        return f"{k} (next to $ref)"
     if k == "$ref":
         ref = str(v)
-        if ref == "#": return "$ref (to the root)"
-        if not ref.startswith("#/"): return "$ref (anchor or URI)"
-        return "$ref" if ref.startswith("#/$defs/") else "$ref (into definitions)" if ref.startswith("#/definitions/") else "$ref (another pointer)"
-    if k == "items" and isinstance(v, list): return "items (array form)"
-    if k == "allOf" and isinstance(v, list) and len(v) == 1: return "allOf (one subschema)"
-    if k == "type" and isinstance(v, list): return "type (list)"
-    if of and not types: return f"{k} (without type)"
-    if k == "format": return f"format: {v}"
-    if k in ("minLength", "maxLength") and ("pattern" in node or "format" in node): return f"{k} (with {'pattern' if 'pattern' in node else 'format'})"
-    if of == {"integer", "number"}: return f"{k} (on a number)" if "number" in types else f"{k} (on an integer)"
+        if ref == "#":
+            return "$ref (to the root)"
+        if not ref.startswith("#/"):
+            return "$ref (anchor or URI)"
+        return (
+            "$ref"
+            if ref.startswith("#/$defs/")
+            else "$ref (into definitions)"
+            if ref.startswith("#/definitions/")
+            else "$ref (another pointer)"
+        )
+    if k == "items" and isinstance(v, list):
+        return "items (array form)"
+    if k == "allOf" and isinstance(v, list) and len(v) == 1:
+        return "allOf (one subschema)"
+    if k == "type" and isinstance(v, list):
+        return "type (list)"
+    if of and not types:
+        return f"{k} (without type)"
+    if k == "format":
+        return f"format: {v}"
+    if k in ("minLength", "maxLength") and ("pattern" in node or "format" in node):
+        return f"{k} (with {'pattern' if 'pattern' in node else 'format'})"
+    if of == {"integer", "number"}:
+        return f"{k} (on a number)" if "number" in types else f"{k} (on an integer)"
     return k
 
-def _constraints(schema, at:str="", implied=()):
-    "(row label, JSON pointer) for each constraint in `schema` and its subschemas, walking only where JSON Schema puts subschemas."
-    if not isinstance(schema, dict): return
+
+def _constraints(schema, at: str = "", implied=()):
+    """(row label, JSON pointer) for each constraint in `schema` and its subschemas, walking only where JSON Schema puts
+    subschemas."""
+    if not isinstance(schema, dict):
+        return
     t = schema.get("type")
     types = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set(implied)
     for k, v in schema.items():
         here = f"{at}/{_escape(k)}"
-        if k in _KEYWORDS and (label := _label(k, v, schema, types)): yield label, here
+        if k in _KEYWORDS and (label := _label(k, v, schema, types)):
+            yield label, here
         if k in _MAP and isinstance(v, dict):
-            for name, sub in v.items(): yield from _constraints(sub, f"{here}/{_escape(name)}")
-        elif k in _ONE and isinstance(v, dict) and (k != "if" or "then" in schema or "else" in schema):   # a lone `if` gates nothing
+            for name, sub in v.items():
+                yield from _constraints(sub, f"{here}/{_escape(name)}")
+        elif (
+            k in _ONE and isinstance(v, dict) and (k != "if" or "then" in schema or "else" in schema)
+        ):  # a lone `if` gates nothing
             yield from _constraints(v, here, ["string"] if k == "propertyNames" else ())
         elif k in _LIST and isinstance(v, list):
-            for i, sub in enumerate(v): yield from _constraints(sub, f"{here}/{i}")
+            for i, sub in enumerate(v):
+                yield from _constraints(sub, f"{here}/{i}")
 
-def _escape(name)->str: return str(name).replace("~", "~0").replace("/", "~1")   # a JSON pointer's escapes
+
+def _escape(name) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")  # a JSON pointer's escapes
 
 # %% ../nbs/06_grammar.ipynb #76ac062d
-ENFORCED = frozenset({   # the rows of the probe's table that xgrammar enforces (the cell below checks this against the table)
-    "type", "type (list)", "enum", "const", "anyOf", "allOf (one subschema)", "$ref", "$ref (to the root)", "$ref (into definitions)", "$ref (another pointer)",
-    "properties", "properties (without type)", "required", "additionalProperties", "additionalProperties (without type)", "patternProperties",
-    "propertyNames", "minProperties", "maxProperties", "unevaluatedProperties", "unevaluatedProperties (without type)",
-    "items", "items (without type)", "prefixItems", "prefixItems (without type)", "minItems", "maxItems", "unevaluatedItems", "unevaluatedItems (without type)",
-    "minLength", "maxLength", "pattern",
-    *(f"{k} (on an integer)" for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")),
-    *(f"{k} (on a number)" for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")),
-    *(f"format: {f}" for f in ("date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference", "uri-template",
-                               "uuid", "json-pointer", "relative-json-pointer"))})
+ENFORCED = frozenset(
+    {  # the rows of the probe's table that xgrammar enforces (the cell below checks this against the table)
+        "type",
+        "type (list)",
+        "enum",
+        "const",
+        "anyOf",
+        "allOf (one subschema)",
+        "$ref",
+        "$ref (to the root)",
+        "$ref (into definitions)",
+        "$ref (another pointer)",
+        "properties",
+        "properties (without type)",
+        "required",
+        "additionalProperties",
+        "additionalProperties (without type)",
+        "patternProperties",
+        "propertyNames",
+        "minProperties",
+        "maxProperties",
+        "unevaluatedProperties",
+        "unevaluatedProperties (without type)",
+        "items",
+        "items (without type)",
+        "prefixItems",
+        "prefixItems (without type)",
+        "minItems",
+        "maxItems",
+        "unevaluatedItems",
+        "unevaluatedItems (without type)",
+        "minLength",
+        "maxLength",
+        "pattern",
+        *(f"{k} (on an integer)" for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")),
+        *(f"{k} (on a number)" for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")),
+        *(
+            f"format: {f}"
+            for f in (
+                "date-time",
+                "date",
+                "time",
+                "duration",
+                "email",
+                "hostname",
+                "ipv4",
+                "ipv6",
+                "uri",
+                "uri-reference",
+                "uri-template",
+                "uuid",
+                "json-pointer",
+                "relative-json-pointer",
+            )
+        ),
+    }
+)
 
 # %% ../nbs/06_grammar.ipynb #1d13a10c
-def _say(label:str)->str:
+def _say(label: str) -> str:
     'A row label as the error names it: `"maxLength" (with pattern)`, `"format": "idn-email"`.'
     keyword, _, company = label.partition(" (")
-    if keyword.startswith("format: "): return f'"format": "{keyword[8:]}"'
+    if keyword.startswith("format: "):
+        return f'"format": "{keyword[8:]}"'
     return f'"{keyword}"' + (f" ({company}" if company else "")
 
-def _refuse_unenforced(schema:dict):
+
+def _refuse_unenforced(schema: dict):
     "Raise a `ValueError` naming each constraint in `schema` that xgrammar would not enforce, and where it is."
     unenforced = [f"{_say(label)} at {at}" for label, at in _constraints(schema) if label not in ENFORCED]
-    if not unenforced: return
+    if not unenforced:
+        return
     it = "it" if len(unenforced) == 1 else "them"
-    raise ValueError(f"unsupported JSON schema: xgrammar does not enforce {', '.join(unenforced)}, so the output could break {it}; "
-                     f"remove {it}, or say the same with what it enforces (specnb.grammar.ENFORCED)")
+    raise ValueError(
+        f"unsupported JSON schema: xgrammar does not enforce {', '.join(unenforced)}, so the output could break {it}; "
+        f"remove {it}, or say the same with what it enforces (specnb.grammar.ENFORCED)"
+    )
 
 # %% ../nbs/06_grammar.ipynb #2cac4b6b
-def from_structural_tag(tokenizer, tag, # an xgrammar `StructuralTag` (or its JSON)
-                        schemas=(),     # the JSON schemas inside it: each must be one xgrammar enforces
-                       )->Grammar:
+def from_structural_tag(
+    tokenizer,
+    tag,  # an xgrammar `StructuralTag` (or its JSON)
+    schemas=(),  # the JSON schemas inside it: each must be one xgrammar enforces
+) -> Grammar:
     "Output that follows xgrammar's structural tag `tag` (free text, tags with JSON-schema content, triggers)."
     for s in schemas:
-        if isinstance(s, dict): _refuse_unenforced(s)
+        if isinstance(s, dict):
+            _refuse_unenforced(s)
     return _grammar(tokenizer, "structural tag", lambda c: c.compile_structural_tag(tag))
 
 # %% ../nbs/06_grammar.ipynb #28900b7b
-def timed_grammar(g:Grammar, total:Grammar|None=None)->Grammar:
-    "Instrument a `Grammar`: `host_s` accumulates the time spent in `mask`, `advance` and `fork` — also by its forks (the drafts')."
+def timed_grammar(g: Grammar, total: Grammar | None = None) -> Grammar:
+    """Instrument a `Grammar`: `host_s` accumulates the time spent in `mask`, `advance` and `fork` — also by its forks
+    (the drafts')."""
     import time
+
     total = total or g
-    if total is g: g.host_s = 0.0
+    if total is g:
+        g.host_s = 0.0
+
     def timed(f):
         def run(*a):
             t0 = time.perf_counter()
-            try: return f(*a)
-            finally: total.host_s += time.perf_counter() - t0
+            try:
+                return f(*a)
+            finally:
+                total.host_s += time.perf_counter() - t0
+
         return run
+
     g.mask, g.advance = timed(g.mask), timed(g.advance)
     fork = timed(g.fork)
     g.fork = lambda: timed_grammar(fork(), total)

@@ -24,81 +24,115 @@ from mlx_lm.utils import _get_classes
 # %% ../nbs/00_models.ipynb #81dfab27
 BUNDLED = ("target", "draft", "head")
 
-def bundled_dir(name:str="target", # "target" or "draft" (load with `mlx_lm.load`), or "head" (the draft head, `specnb.load_head`)
-               )->Path:
+
+def bundled_dir(
+    # "target" or "draft" (load with `mlx_lm.load`), or "head" (the draft head, `specnb.load_head`)
+    name: str = "target",
+) -> Path:
     "The folder of one of the bundled models."
-    if name not in BUNDLED: raise ValueError(f"unknown bundled model {name!r}; choose one of {BUNDLED}")
-    return Path(str(importlib.resources.files("specnb")))/"bundled"/name
+    if name not in BUNDLED:
+        raise ValueError(f"unknown bundled model {name!r}; choose one of {BUNDLED}")
+    return Path(str(importlib.resources.files("specnb"))) / "bundled" / name
 
 # %% ../nbs/00_models.ipynb #84287497
 PROBE = "Hello, world! 0123456789 — café naïve Ωmega 🙂 def f(x):\n\treturn x"
+
 
 def check_tokenizers(target_tok, draft_tok, target_name="target", draft_name="draft"):
     "Raise `ValueError` naming both models unless the two tokenizers encode `PROBE` identically."
     a, b = target_tok.encode(PROBE), draft_tok.encode(PROBE)
     if list(a) != list(b):
         i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        raise ValueError(f"target {target_name} and draft {draft_name} do not share a tokenizer: the probe {PROBE!r} encodes "
-                         f"differently from token {i} (target {list(a[i:i+4])}, draft {list(b[i:i+4])}); "
-                         "speculative decoding needs a draft from the target's tokenizer family")
+        raise ValueError(
+            f"target {target_name} and draft {draft_name} do not share a tokenizer: the probe {PROBE!r} encodes "
+            f"differently from token {i} (target {list(a[i : i + 4])}, draft {list(b[i : i + 4])}); "
+            "speculative decoding needs a draft from the target's tokenizer family"
+        )
 
-def logits_width(model)->int:
+
+def logits_width(model) -> int:
     "The number of logits `model` produces per position (its output vocabulary)."
     return model(mx.array([[0]])).shape[-1]
+
 
 def check_vocab(target, draft, target_name="target", draft_name="draft"):
     "Raise `ValueError` naming both models unless their output vocabularies have the same size."
     vt, vd = logits_width(target), logits_width(draft)
-    if vt != vd: raise ValueError(f"vocabulary sizes differ: target {target_name} has {vt} logits, draft {draft_name} has {vd}")
+    if vt != vd:
+        raise ValueError(f"vocabulary sizes differ: target {target_name} has {vt} logits, draft {draft_name} has {vd}")
 
 # %% ../nbs/00_models.ipynb #8b823a52
-def load_model(name:str|Path):
+def load_model(name: str | Path):
     "`mlx_lm.load` a local folder or a hub id, with an error that says which it was taken for."
     p = Path(name).expanduser()
-    if p.exists(): return mlx_lm.load(str(p))
+    if p.exists():
+        return mlx_lm.load(str(p))
     if str(name).startswith(("/", ".", "~")) or str(name).count("/") > 1:  # a path, not an `org/name` hub id
         raise FileNotFoundError(f"no model folder at {name}")
-    try: return mlx_lm.load(str(name))
-    except Exception as e: raise ValueError(f"could not load {name!r}: it is not a local folder, and as a hub id it failed: {e}") from e
+    try:
+        return mlx_lm.load(str(name))
+    except Exception as e:
+        raise ValueError(f"could not load {name!r}: it is not a local folder, and as a hub id it failed: {e}") from e
+
 
 class ModelPair(NamedTuple):
     "A target, its draft (or None) and the tokenizer they share."
+
     target: nn.Module
     draft: nn.Module | None
     tokenizer: object
 
-def load_pair(target:str|Path|None=None, # folder or hub id of the target; None: the bundled target
-              draft:str|Path|None=None,  # folder or hub id of the draft; None: the bundled draft if the target is bundled too
-             )->ModelPair:
+
+def load_pair(
+    target: str | Path | None = None,  # folder or hub id of the target; None: the bundled target
+    draft: str
+    | Path
+    | None = None,  # folder or hub id of the draft; None: the bundled draft if the target is bundled too
+) -> ModelPair:
     "Load a target and draft with `mlx_lm.load` and check that they can be paired."
-    if target is None: target, draft = bundled_dir("target"), draft or bundled_dir("draft")
+    if target is None:
+        target, draft = bundled_dir("target"), draft or bundled_dir("draft")
     tm, ttok = load_model(target)
-    if draft is None: return ModelPair(tm, None, ttok)
+    if draft is None:
+        return ModelPair(tm, None, ttok)
     dm, dtok = load_model(draft)
     check_tokenizers(ttok, dtok, str(target), str(draft))
     check_vocab(tm, dm, str(target), str(draft))
     return ModelPair(tm, dm, ttok)
 
 # %% ../nbs/00_models.ipynb #d272046f
-def random_model(seed:int=0,           # weights are drawn from this seed
-                 vocab_size:int=128,
-                 hidden_size:int=64,
-                 num_layers:int=2,
-                 num_heads:int=4,
-                 num_kv_heads:int=2,
-                 sliding_window:int|None=None, # if set, even layers attend to only this many recent tokens
-                 scale:float=1.0,      # multiplies the logits (larger: peakier, fewer near-ties under greedy)
-                 dtype=mx.float32,
-                )->nn.Module:
+def random_model(
+    seed: int = 0,  # weights are drawn from this seed
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    sliding_window: int | None = None,  # if set, even layers attend to only this many recent tokens
+    scale: float = 1.0,  # multiplies the logits (larger: peakier, fewer near-ties under greedy)
+    dtype=mx.float32,
+) -> nn.Module:
     "A random mlx-lm llama for tests; the same seed always gives the same weights."
     layer_types = None
     if sliding_window:
-        if num_layers < 2: raise ValueError(f"a sliding-window model needs num_layers >= 2 (one full-attention layer), got {num_layers}")
+        if num_layers < 2:
+            raise ValueError(
+                f"a sliding-window model needs num_layers >= 2 (one full-attention layer), got {num_layers}"
+            )
         layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-    args = llama.ModelArgs(model_type="llama", hidden_size=hidden_size, num_hidden_layers=num_layers,
-                           intermediate_size=2 * hidden_size, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                           rms_norm_eps=1e-5, vocab_size=vocab_size, tie_word_embeddings=False,
-                           layer_types=layer_types, sliding_window=sliding_window)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        intermediate_size=2 * hidden_size,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab_size,
+        tie_word_embeddings=False,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+    )
     mx.random.seed(seed)
     model = llama.Model(args)
     model.model.norm.weight = model.model.norm.weight * scale
@@ -107,7 +141,7 @@ def random_model(seed:int=0,           # weights are drawn from this seed
     return model
 
 # %% ../nbs/00_models.ipynb #6f21b87c
-def perturbed(model:nn.Module, noise:float=0.1, seed:int=0)->nn.Module:
+def perturbed(model: nn.Module, noise: float = 0.1, seed: int = 0) -> nn.Module:
     "A copy of `model` with every weight multiplied by `1 + noise * N(0, 1)`."
     mx.random.seed(seed)
     out = copy.deepcopy(model)
@@ -116,8 +150,9 @@ def perturbed(model:nn.Module, noise:float=0.1, seed:int=0)->nn.Module:
     return out
 
 # %% ../nbs/00_models.ipynb #db391c9a
-def model_from_config(config:dict, seed:int=0)->nn.Module:
-    "A random fp32 mlx-lm model of `config`'s architecture, built as `mlx_lm.load` builds it, its weights drawn from `seed`."
+def model_from_config(config: dict, seed: int = 0) -> nn.Module:
+    """A random fp32 mlx-lm model of `config`'s architecture, built as `mlx_lm.load` builds it, its weights drawn from
+    `seed`."""
     Model, Args = _get_classes(config)
     mx.random.seed(seed)
     model = Model(Args.from_dict(config))
@@ -125,16 +160,20 @@ def model_from_config(config:dict, seed:int=0)->nn.Module:
     mx.eval(model.parameters())
     return model
 
-def save_model(model:nn.Module, config:dict, folder, tokenizer_from=None)->Path:
-    "Write `model` as an mlx-lm model folder: `model.safetensors`, `config.json` (`config`) and the tokenizer files of `tokenizer_from` (default: the bundled target's)."
+
+def save_model(model: nn.Module, config: dict, folder, tokenizer_from=None) -> Path:
+    """Write `model` as an mlx-lm model folder: `model.safetensors`, `config.json` (`config`) and the tokenizer files of
+    `tokenizer_from` (default: the bundled target's)."""
     folder, src = Path(folder), Path(tokenizer_from or bundled_dir("target"))
     folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder/"model.safetensors"), dict(tree_flatten(model.parameters())))
-    (folder/"config.json").write_text(json.dumps(config))
-    for f in ("tokenizer.json", "tokenizer_config.json"): shutil.copy(src/f, folder/f)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, folder / f)
     return folder
 
 # %% ../nbs/00_models.ipynb #b24919d6
 from .gguf import load_gguf, smollm2, gemma3_270m
 from .blas import OPENBLAS, blas_in_use, openblas_env, openblas_relaunch
+
 _all_ = ["load_gguf", "smollm2", "gemma3_270m", "OPENBLAS", "blas_in_use", "openblas_env", "openblas_relaunch"]

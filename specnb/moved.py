@@ -11,7 +11,7 @@ __all__ = ['MOVED', 'MovedModules', 'install_moved']
 import importlib, importlib.abc, importlib.util, sys, warnings
 
 # %% ../nbs/99_moved.ipynb #8a79ccf4
-MOVED = {   # old module (under specnb) -> where it lives now
+MOVED = {  # old module (under specnb) -> where it lives now
     "sampling": "gates",
     **{m: f"caches.{m}" for m in ("rollback", "window", "recurrent", "ragged", "ragged_state")},
     "batch": "batching.rounds",
@@ -26,18 +26,25 @@ MOVED = {   # old module (under specnb) -> where it lives now
 # %% ../nbs/99_moved.ipynb #00957461
 class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     "An import hook: `specnb.<old>` is the module `specnb.<MOVED[old]>` (a `DeprecationWarning` names the new place)."
+
     def find_spec(self, fullname, path=None, target=None):
         old = fullname.removeprefix("specnb.")
-        if fullname.startswith("specnb.") and old in MOVED: return importlib.util.spec_from_loader(fullname, self)
+        if fullname.startswith("specnb.") and old in MOVED:
+            return importlib.util.spec_from_loader(fullname, self)
         return None
 
     def create_module(self, spec):
         new = f"specnb.{MOVED[spec.name.removeprefix('specnb.')]}"
-        warnings.warn(f"{spec.name} moved to {new}; the old name goes in the next release", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"{spec.name} moved to {new}; the old name goes in the next release", DeprecationWarning, stacklevel=2
+        )
         return importlib.import_module(new)
 
-    def exec_module(self, module): pass   # already run, as its new self
+    def exec_module(self, module):
+        pass  # already run, as its new self
+
 
 def install_moved():
     "Put `MovedModules` on `sys.meta_path` (once)."
-    if not any(isinstance(f, MovedModules) for f in sys.meta_path): sys.meta_path.insert(0, MovedModules())
+    if not any(isinstance(f, MovedModules) for f in sys.meta_path):
+        sys.meta_path.insert(0, MovedModules())

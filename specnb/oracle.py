@@ -13,59 +13,87 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from .accept import processed_logits, position_logprobs
 
 # %% ../nbs/07d_oracle.ipynb #b7a6e78d
-def mlx_lm_tokens(model, prompt, max_tokens:int=256, prefill_step_size:int=2048, **kw)->list:
+def mlx_lm_tokens(model, prompt, max_tokens: int = 256, prefill_step_size: int = 2048, **kw) -> list:
     "mlx-lm's plain decoding (`generate_step`) as a list of token ids: the oracle for plain greedy output."
     gen = generate_step(mx.array(prompt), model, max_tokens=max_tokens, prefill_step_size=prefill_step_size, **kw)
     return [int(t) for t, _ in gen]
 
-def mlx_lm_spec_tokens(model, draft, prompt, num_draft_tokens:int=3, max_tokens:int=256, prefill_step_size:int=512, **kw)->list:
-    "mlx-lm's speculative decoding (`speculative_generate_step`) as a list of token ids: the oracle for specnb's rounds."
-    gen = speculative_generate_step(mx.array(prompt), model, draft, num_draft_tokens=num_draft_tokens,
-                                    max_tokens=max_tokens, prefill_step_size=prefill_step_size, **kw)
+
+def mlx_lm_spec_tokens(
+    model, draft, prompt, num_draft_tokens: int = 3, max_tokens: int = 256, prefill_step_size: int = 512, **kw
+) -> list:
+    """mlx-lm's speculative decoding (`speculative_generate_step`) as a list of token ids: the oracle for specnb's
+    rounds."""
+    gen = speculative_generate_step(
+        mx.array(prompt),
+        model,
+        draft,
+        num_draft_tokens=num_draft_tokens,
+        max_tokens=max_tokens,
+        prefill_step_size=prefill_step_size,
+        **kw,
+    )
     return [int(t) for t, _, _ in gen]
 
 # %% ../nbs/07d_oracle.ipynb #e296e6b3
-def first_diff(a:list, b:list)->int|None:
+def first_diff(a: list, b: list) -> int | None:
     "The first position where token lists `a` and `b` differ (None: one is a prefix of the other)."
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
-def near_tie(model, context:list, eps:float=1e-3)->bool:
+
+def near_tie(model, context: list, eps: float = 1e-3) -> bool:
     "Is the target's next-token choice after `context` a near tie (its top two logits within `eps`)?"
     top2 = mx.sort(model(mx.array([context]))[0, -1])[-2:]
     return (top2[1] - top2[0]).item() < eps
 
 # %% ../nbs/07d_oracle.ipynb #df629c5a
-def mlx_lm_logprobs(model, prompt, max_tokens:int=256, top:int=0, prefill_step_size:int=2048, **kw)->tuple:
+def mlx_lm_logprobs(model, prompt, max_tokens: int = 256, top: int = 0, prefill_step_size: int = 2048, **kw) -> tuple:
     "mlx-lm's plain decoding with the `logprobs` it yields: `(tokens, [(logprob, top alternatives)] per token)`."
     toks, rows = [], []
-    for t, lp in generate_step(mx.array(prompt), model, max_tokens=max_tokens, prefill_step_size=prefill_step_size, **kw):
+    for t, lp in generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, prefill_step_size=prefill_step_size, **kw
+    ):
         toks.append(int(t))
         rows.append(lp[None])
     return toks, position_logprobs(mx.concatenate(rows), toks, top) if toks else []
 
-def forced_logprobs(model, prompt:list, tokens:list, top:int=0, logits_processors=None)->list:
-    "Teacher forcing: the log-probability of each of `tokens` after `prompt` and the tokens before it, from one target forward."
-    if not tokens: return []
-    logits = model(mx.array([prompt + tokens[:-1]]))[0, len(prompt) - 1:]
+
+def forced_logprobs(model, prompt: list, tokens: list, top: int = 0, logits_processors=None) -> list:
+    """Teacher forcing: the log-probability of each of `tokens` after `prompt` and the tokens before it, from one target
+    forward."""
+    if not tokens:
+        return []
+    logits = model(mx.array([prompt + tokens[:-1]]))[0, len(prompt) - 1 :]
     if logits_processors:
         ctx = prompt + tokens
-        logits = mx.concatenate([processed_logits(logits[i:i + 1], mx.array(ctx[:len(prompt) + i]), logits_processors)
-                                 for i in range(len(tokens))])
+        logits = mx.concatenate(
+            [
+                processed_logits(logits[i : i + 1], mx.array(ctx[: len(prompt) + i]), logits_processors)
+                for i in range(len(tokens))
+            ]
+        )
     return position_logprobs(logits, tokens, top)
 
 # %% ../nbs/07d_oracle.ipynb #aa02fc75
-def _entry_diff(x, y, tol:float)->float:
-    "One position: the largest difference of the values; inf if an alternative is missing from the other and is no tie at the cut."
-    if x is None or y is None: return 0.0 if x is y else float("inf")
+def _entry_diff(x, y, tol: float) -> float:
+    """One position: the largest difference of the values; inf if an alternative is missing from the other and is no tie
+    at the cut."""
+    if x is None or y is None:
+        return 0.0 if x is y else float("inf")
     (a, ta), (b, tb) = x, y
-    if len(ta) != len(tb): return float("inf")
+    if len(ta) != len(tb):
+        return float("inf")
     d = max([abs(a - b)] + [abs(u[1] - v[1]) for u, v in zip(ta, tb)])
     cut = min([v for _, v in ta + tb], default=0.0)
     odd = dict(ta) | dict(tb)
-    if any(abs(odd[i] - cut) > tol for i in {i for i, _ in ta} ^ {i for i, _ in tb}): return float("inf")
+    if any(abs(odd[i] - cut) > tol for i in {i for i, _ in ta} ^ {i for i, _ in tb}):
+        return float("inf")
     return d
 
-def logprobs_diff(a:list, b:list, tol:float=1e-5)->float:
-    "The largest difference between two lists of `(logprob, top)` entries (None allowed), position by position; inf when they do not line up."
-    if len(a) != len(b): return float("inf")
+
+def logprobs_diff(a: list, b: list, tol: float = 1e-5) -> float:
+    """The largest difference between two lists of `(logprob, top)` entries (None allowed), position by position; inf
+    when they do not line up."""
+    if len(a) != len(b):
+        return float("inf")
     return max((_entry_diff(x, y, tol) for x, y in zip(a, b)), default=0.0)

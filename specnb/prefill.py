@@ -11,20 +11,23 @@ __all__ = ['prefill_drain']
 import mlx.core as mx
 
 # %% ../nbs/01_prefill.ipynb #67157c08
-def prefill_drain(model,                 # an mlx-lm model
-                  cache:list,            # its cache list (`make_prompt_cache(model)`), filled in place
-                  tokens,                # the token ids to feed (the prompt without its last token)
-                  step:int=2048,         # tokens per forward (mlx-lm's `prefill_step_size`)
-                  should_stop=None,      # called between chunks; True stops the drain there
-                  on_logits=None,        # called with each chunk's `(chunk, V)` logits, to reduce them at once; None: no logits computed
-                 )->int:
+def prefill_drain(
+    model,  # an mlx-lm model
+    cache: list,  # its cache list (`make_prompt_cache(model)`), filled in place
+    tokens,  # the token ids to feed (the prompt without its last token)
+    step: int = 2048,  # tokens per forward (mlx-lm's `prefill_step_size`)
+    should_stop=None,  # called between chunks; True stops the drain there
+    on_logits=None,  # called with each chunk's `(chunk, V)` logits, to reduce them at once; None: no logits computed
+) -> int:
     "Feed `tokens` into `cache` in chunks of `step`, evaluating only the cache states; returns how many were fed."
-    if step < 1: raise ValueError(f"prefill step must be >= 1, got {step}")
+    if step < 1:
+        raise ValueError(f"prefill step must be >= 1, got {step}")
     tokens = mx.array(tokens, mx.uint32) if not isinstance(tokens, mx.array) else tokens.astype(mx.uint32)
     for i in range(0, tokens.size, step):
-        if i and should_stop is not None and should_stop(): return i
-        logits = model(tokens[i:i + step][None], cache=cache)
-        if on_logits is not None: on_logits(logits[0])
+        if i and should_stop is not None and should_stop():
+            return i
+        logits = model(tokens[i : i + step][None], cache=cache)
+        if on_logits is not None:
+            on_logits(logits[0])
         mx.eval([c.state for c in cache])
     return tokens.size
-

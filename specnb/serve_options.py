@@ -11,16 +11,21 @@ __all__ = ['LOG_LEVELS', 'option', 'ServeOptions']
 import argparse
 from dataclasses import dataclass, field, fields
 
-def option(default, help:str, type=None, at_least=None, **argparse_kw):
-    "One server option: its `default`, its `help` (the default is appended unless the text says it), its argparse `type` (default: the default's), the least value it takes."
+
+def option(default, help: str, type=None, at_least=None, **argparse_kw):
+    """One server option: its `default`, its `help` (the default is appended unless the text says it), its argparse
+    `type` (default: the default's), the least value it takes."""
     return field(default=default, metadata=dict(help=help, type=type, at_least=at_least, argparse=argparse_kw))
 
 # %% ../nbs/08ba_serve_options.ipynb #b5be6eed
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
+
 @dataclass(frozen=True)
 class ServeOptions:
-    "What `specnb serve` can be told beyond the target and its drafting, each default once; the CLI's flags are built from it."
+    """What `specnb serve` can be told beyond the target and its drafting, each default once; the CLI's flags are built
+    from it."""
+
     host: str = option("127.0.0.1", "address to listen on (default 127.0.0.1: this machine only)")
     port: int = option(8080, "port", at_least=0)
     max_queue: int = option(16, "requests that may wait for the model; more get 503", at_least=1)
@@ -29,23 +34,46 @@ class ServeOptions:
     max_tokens: int = option(512, "tokens generated when a request names no max_tokens", at_least=1)
     max_tokens_limit: int = option(32768, "the largest max_tokens a request may ask for", at_least="max_tokens")
     temp: float = option(0.0, "temperature when a request names none (default 0: greedy)", at_least=0)
-    served_model_name: str|None = option(None, "the model id clients use (default: --model, or specnb-bundled)", type=str)
-    max_context: int|None = option(None, "refuse a prompt + max_tokens longer than this (default: the target's context from its config)", type=int, at_least=1)
+    served_model_name: str | None = option(
+        None, "the model id clients use (default: --model, or specnb-bundled)", type=str
+    )
+    max_context: int | None = option(
+        None,
+        "refuse a prompt + max_tokens longer than this (default: the target's context from its config)",
+        type=int,
+        at_least=1,
+    )
     max_request_bytes: str = option("16MiB", "refuse request bodies larger than this with 413")
-    memory_budget: str|None = option(None, "memory the server may hold, e.g. 48G (default: MLX's recommended working set, else 3/4 of RAM)", type=str)
-    prompt_cache_bytes: str|None = option(None, "bytes the prompt cache may hold (default: a quarter of the memory budget)", type=str)
-    request_timeout: float|None = option(None, "stop a request after this many seconds from its arrival (default: none)", type=float)
-    prefill_step_size: int = option(2048, "prompt tokens per prefill forward; a request can stop between them", at_least=1)
-    api_key: str|None = option(None, "require 'Authorization: Bearer KEY' on /v1 routes (default: $SPECNB_API_KEY; none on loopback)", type=str)
+    memory_budget: str | None = option(
+        None, "memory the server may hold, e.g. 48G (default: MLX's recommended working set, else 3/4 of RAM)", type=str
+    )
+    prompt_cache_bytes: str | None = option(
+        None, "bytes the prompt cache may hold (default: a quarter of the memory budget)", type=str
+    )
+    request_timeout: float | None = option(
+        None, "stop a request after this many seconds from its arrival (default: none)", type=float
+    )
+    prefill_step_size: int = option(
+        2048, "prompt tokens per prefill forward; a request can stop between them", at_least=1
+    )
+    api_key: str | None = option(
+        None, "require 'Authorization: Bearer KEY' on /v1 routes (default: $SPECNB_API_KEY; none on loopback)", type=str
+    )
     log_level: str = option("info", "uvicorn's log level", choices=LOG_LEVELS)
 
     @classmethod
-    def add_arguments(cls, parser:argparse.ArgumentParser):
+    def add_arguments(cls, parser: argparse.ArgumentParser):
         "Add one `--flag` per option to `parser`, in the order above."
         for f in fields(cls):
             m = f.metadata
             said = m["help"] if "default" in m["help"] or f.default is None else f"{m['help']} (default {f.default})"
-            parser.add_argument("--" + f.name.replace("_", "-"), type=m["type"] or type(f.default), default=f.default, help=said, **m["argparse"])
+            parser.add_argument(
+                "--" + f.name.replace("_", "-"),
+                type=m["type"] or type(f.default),
+                default=f.default,
+                help=said,
+                **m["argparse"],
+            )
 
     @classmethod
     def from_args(cls, args):
@@ -56,9 +84,12 @@ class ServeOptions:
         "Refuse, naming the flag, an option out of its range — before anything is loaded."
         for f in fields(self):
             v, lo = getattr(self, f.name), f.metadata["at_least"]
-            if isinstance(lo, str): lo = getattr(self, lo)   # a bound another option sets
-            if v is not None and lo is not None and v < lo: raise ValueError(f"--{f.name.replace('_', '-')} must be >= {lo}, got {v}")
-        if self.port > 65535: raise ValueError(f"--port must be <= 65535, got {self.port}")
+            if isinstance(lo, str):
+                lo = getattr(self, lo)  # a bound another option sets
+            if v is not None and lo is not None and v < lo:
+                raise ValueError(f"--{f.name.replace('_', '-')} must be >= {lo}, got {v}")
+        if self.port > 65535:
+            raise ValueError(f"--port must be <= 65535, got {self.port}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError(f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
         return self

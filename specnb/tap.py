@@ -15,95 +15,132 @@ from fastcore.basics import patch
 # %% ../nbs/01a_tap.ipynb #333a9047
 class _Recorder:
     "Stands in for one decoder layer: calls it and keeps its output."
-    def __init__(self, layer, recorded, index): self.layer, self.recorded, self.index = layer, recorded, index
-    def __getattr__(self, name): return getattr(self.layer, name)   # the model may read a layer's attributes (`use_sliding`)
+
+    def __init__(self, layer, recorded, index):
+        self.layer, self.recorded, self.index = layer, recorded, index
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)  # the model may read a layer's attributes (`use_sliding`)
+
     @property
-    def __class__(self): return type(self.layer)   # ... or its class (OLMo-Hybrid picks each layer's mask by `isinstance`)
+    def __class__(self):
+        return type(self.layer)  # ... or its class (OLMo-Hybrid picks each layer's mask by `isinstance`)
+
     def __call__(self, *args, **kwargs):
         h = self.layer(*args, **kwargs)
         if not isinstance(h, mx.array):
-            raise TypeError(f"layer {self.index} returned {type(h).__name__}, not an array: this model's layers cannot be tapped")
+            raise TypeError(
+                f"layer {self.index} returned {type(h).__name__}, not an array: this model's layers cannot be tapped"
+            )
         self.recorded.append(h)
         return h
 
+
 def text_model(model):
-    "The language model inside `model`: a multimodal wrapper's `language_model` (mlx-lm's Qwen3.5 keeps its decoder there), else `model` itself."
+    """The language model inside `model`: a multimodal wrapper's `language_model` (mlx-lm's Qwen3.5 keeps its decoder
+    there), else `model` itself."""
     inner = getattr(model, "language_model", None)
     return inner if hasattr(getattr(inner, "model", None), "layers") else model
 
-def check_tappable(model, layers)->list:
-    "`layers` as a list of ints, checked against `model`; a `ValueError` that says why for a model or an index that cannot be tapped."
+
+def check_tappable(model, layers) -> list:
+    """`layers` as a list of ints, checked against `model`; a `ValueError` that says why for a model or an index that
+    cannot be tapped."""
     blocks = getattr(getattr(text_model(model), "model", None), "layers", None)
     if not isinstance(blocks, list) or not blocks:
-        raise ValueError(f"cannot tap {type(model).__module__}.{type(model).__name__}: tapping needs an mlx-lm llama-family model, "
-                         "whose decoder layers are the list model.model.layers")
+        raise ValueError(
+            f"cannot tap {type(model).__module__}.{type(model).__name__}: tapping needs an mlx-lm llama-family model, "
+            "whose decoder layers are the list model.model.layers"
+        )
     layers = [int(i) for i in layers]
-    if not layers: raise ValueError("no tap layers given")
+    if not layers:
+        raise ValueError("no tap layers given")
     bad = [i for i in layers if not 0 <= i < len(blocks)]
-    if bad: raise ValueError(f"tap layer(s) {bad} out of range: the target has {len(blocks)} layers (0..{len(blocks) - 1})")
-    if len(set(layers)) != len(layers): raise ValueError(f"tap layers repeat: {layers}")
+    if bad:
+        raise ValueError(f"tap layer(s) {bad} out of range: the target has {len(blocks)} layers (0..{len(blocks) - 1})")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"tap layers repeat: {layers}")
     return layers
+
 
 class Tap:
     "Records the outputs of `layers` of `model` during forwards run inside `with tap:`; `take()` hands them over."
+
     def __init__(self, model, layers):
         self.layers = check_tappable(model, layers)
         self.blocks = text_model(model).model.layers
         self.recorded = {i: [] for i in self.layers}
-        self.held = None   # rows recorded before a `trim`, the positions the target kept: (batch, tokens, features)
+        self.held = None  # rows recorded before a `trim`, the positions the target kept: (batch, tokens, features)
 
     def __enter__(self):
-        if any(isinstance(b, _Recorder) for b in self.blocks): raise RuntimeError("this model is already being tapped")
+        if any(isinstance(b, _Recorder) for b in self.blocks):
+            raise RuntimeError("this model is already being tapped")
         self.real = list(self.blocks)
-        for i in self.layers: self.blocks[i] = _Recorder(self.real[i], self.recorded[i], i)
+        for i in self.layers:
+            self.blocks[i] = _Recorder(self.real[i], self.recorded[i], i)
         return self
 
-    def __exit__(self, *exc): self.blocks[:] = self.real   # the real layers back, whatever happened
+    def __exit__(self, *exc):
+        self.blocks[:] = self.real  # the real layers back, whatever happened
 
-    def _collect(self)->mx.array|None:
-        "The rows held and those recorded since, as one `(batch, tokens, features)` array (None if none); hands them over."
+    def _collect(self) -> mx.array | None:
+        """The rows held and those recorded since, as one `(batch, tokens, features)` array (None if none); hands them
+        over."""
         rows = self.held
         if self.recorded[self.layers[0]]:
             new = mx.concatenate([mx.concatenate(self.recorded[i], axis=1) for i in self.layers], axis=-1)
             rows = new if rows is None else mx.concatenate([rows, new], axis=1)
-            for v in self.recorded.values(): v.clear()
+            for v in self.recorded.values():
+                v.clear()
         self.held = None
         return rows
 
-    def take(self, batch:bool=False)->mx.array|None:
-        "Everything recorded since the last `take` (lazy), shape `(tokens, len(layers) * hidden)` — `(batch, tokens, …)` with `batch=True`; None if nothing was."
+    def take(self, batch: bool = False) -> mx.array | None:
+        """Everything recorded since the last `take` (lazy), shape `(tokens, len(layers) * hidden)` — `(batch, tokens,
+        …)` with `batch=True`; None if nothing was."""
         rows = self._collect()
         return rows if batch or rows is None else rows[0]
 
 # %% ../nbs/01a_tap.ipynb #97a0d023
 @patch
-def trim(self:Tap, n:int):
+def trim(self: Tap, n: int):
     "The target gave back its last `n` positions (a rollback): forget their rows; the next `take` hands over the rest."
     rows = self._collect()
     count = 0 if rows is None else rows.shape[1]
-    if not 0 <= n <= count: raise ValueError(f"cannot trim {n} rows: the tap holds {count} (0..{count} can be trimmed)")
-    self.held = rows[:, :count - n] if n < count else None
+    if not 0 <= n <= count:
+        raise ValueError(f"cannot trim {n} rows: the tap holds {count} (0..{count} can be trimmed)")
+    self.held = rows[:, : count - n] if n < count else None
 
 # %% ../nbs/01a_tap.ipynb #c94cf73d
-def arch_name(model)->str:
+def arch_name(model) -> str:
     "The architecture's name as mlx-lm knows it (`args.model_type`), else the model's module."
     return getattr(getattr(model, "args", None), "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
 
-_PROBED = {}   # id(model) -> (a weak reference to it, the layer sets that passed)
+
+_PROBED = {}  # id(model) -> (a weak reference to it, the layer sets that passed)
+
 
 def probe_tap(model, layers):
-    "Raise `ValueError` naming the architecture unless a three-token forward of `model` can be tapped at `layers`, with the same logits as untapped (run once per model and layers)."
+    """Raise `ValueError` naming the architecture unless a three-token forward of `model` can be tapped at `layers`,
+    with the same logits as untapped (run once per model and layers)."""
     from mlx_lm.models.cache import make_prompt_cache
+
     layers = check_tappable(model, layers)
     ref, passed = _PROBED.get(id(model), (None, frozenset()))
-    if ref is not None and ref() is model and tuple(layers) in passed: return
+    if ref is not None and ref() is model and tuple(layers) in passed:
+        return
     x = mx.array([[0, 1, 2]])
     try:
-        with Tap(model, layers) as tap: tapped = model(x, cache=make_prompt_cache(model))
+        with Tap(model, layers) as tap:
+            tapped = model(x, cache=make_prompt_cache(model))
     except (TypeError, AttributeError, ValueError) as e:
         raise ValueError(f"cannot tap {arch_name(model)} at layers {layers} ({type(e).__name__}: {e})") from e
     tap.take()
     if not mx.array_equal(tapped, model(x, cache=make_prompt_cache(model))):
-        raise ValueError(f"cannot tap {arch_name(model)} at layers {layers}: tapped, its forward gives other logits (the model treats a tapped layer differently)")
-    if ref is None or ref() is not model: passed = frozenset()   # a dead model's id, reused
+        raise ValueError(
+            f"cannot tap {arch_name(model)} at layers {layers}: tapped, its forward gives other logits (the model "
+            "treats a tapped layer differently)"
+        )
+    if ref is None or ref() is not model:
+        passed = frozenset()  # a dead model's id, reused
     _PROBED[id(model)] = (weakref.ref(model), passed | {tuple(layers)})

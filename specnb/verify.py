@@ -11,12 +11,14 @@ __all__ = ['verify_forward']
 import mlx.core as mx
 
 # %% ../nbs/02_verify.ipynb #b9922341
-def verify_forward(model,        # the target (an mlx-lm model)
-                   cache:list,   # the target's cache, holding everything before `pending`
-                   pending:int,  # the last token the target has not consumed
-                   drafts,       # the drafted ids: a list, or a 1-D mx.array still being computed (may be empty)
-                  )->mx.array:
-    "ONE target forward over `[pending, *drafts]`; returns the logits of every position, shape `(len(drafts)+1, vocab)`."
+def verify_forward(
+    model,  # the target (an mlx-lm model)
+    cache: list,  # the target's cache, holding everything before `pending`
+    pending: int,  # the last token the target has not consumed
+    drafts,  # the drafted ids: a list, or a 1-D mx.array still being computed (may be empty)
+) -> mx.array:
+    """ONE target forward over `[pending, *drafts]`; returns the logits of every position, shape `(len(drafts)+1,
+    vocab)`."""
     if isinstance(drafts, mx.array):  # stays lazy: the draft and the verify are evaluated together
         return model(mx.concatenate([mx.array([pending], mx.uint32), drafts.astype(mx.uint32)])[None], cache=cache)[0]
     return model(mx.array([[pending, *drafts]], mx.uint32), cache=cache)[0]

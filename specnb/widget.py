@@ -18,68 +18,93 @@ from .detok import DecodedText
 ORIGINS = ("accepted", "correction", "bonus", "plain")
 COLOURS = {"accepted": "#c8f0c8", "correction": "#ffd8a8", "bonus": "#bcdcff", "plain": "#e4e4e4"}
 
+
 def annotate(stream):
     "`(token, origin)` for each token of a `SpecStream`, origin one of `ORIGINS`."
     st, rounds, drafted, left, k, d = stream.result.stats, 0, 0, 0, 0, 0
     for t in stream:
-        if st.rounds > rounds:   # the first token of a new verify round
+        if st.rounds > rounds:  # the first token of a new verify round
             rounds, k, d, drafted = st.rounds, st.accepted_lengths[-1], st.drafted - drafted, st.drafted
             left, i = k + 1, 0
         if left:
-            i = k + 1 - left; left -= 1
+            i = k + 1 - left
+            left -= 1
             yield t, ("accepted" if i < k else "correction" if k < d else "bonus" if d else "plain")
-        else: yield t, "plain"
+        else:
+            yield t, "plain"
 
 # %% ../nbs/10_widget.ipynb #42f52bfe
-def figures(n:int,               # tokens emitted so far
-            stats,               # the generation's `SpecStats`, as far as it has got
-            tps:float|None=None, # tokens per second so far
-           )->str:
+def figures(
+    n: int,  # tokens emitted so far
+    stats,  # the generation's `SpecStats`, as far as it has got
+    tps: float | None = None,  # tokens per second so far
+) -> str:
     "The figures line, true at any frame: tokens, speed, acceptance and tokens per target call so far."
     s = f"{n} token{'' if n == 1 else 's'}" + (f" · {tps:.1f} tok/s" if tps else "")
-    if stats.rounds: s += f" · acceptance {stats.acceptance_rate:.0%} · {n / stats.target_calls:.2f} tokens per target call"
+    if stats.rounds:
+        s += f" · acceptance {stats.acceptance_rate:.0%} · {n / stats.target_calls:.2f} tokens per target call"
     return s
 
 # %% ../nbs/10_widget.ipynb #8fa2b1d8
-def _text_box(pieces)->str:
+def _text_box(pieces) -> str:
     "The text, each token on its origin's colour; newlines kept, long runs without spaces wrapped."
-    spans = "".join(f'<span title="{o}" style="background:{COLOURS[o]};border-radius:3px">{html.escape(t)}</span>' for t, o in pieces)
-    wrap = "white-space:pre-wrap;overflow-wrap:break-word;overflow-wrap:anywhere"   # see the note above for why both
-    return ('<div style="font-family:monospace;font-size:13px;line-height:1.6;border:1px solid #ddd;padding:6px;margin:4px 0;'
-            f'{wrap}">{spans}</div>')
+    spans = "".join(
+        f'<span title="{o}" style="background:{COLOURS[o]};border-radius:3px">{html.escape(t)}</span>'
+        for t, o in pieces
+    )
+    wrap = "white-space:pre-wrap;overflow-wrap:break-word;overflow-wrap:anywhere"  # see the note above for why both
+    return (
+        '<div style="font-family:monospace;font-size:13px;line-height:1.6;border:1px solid '
+        "#ddd;padding:6px;margin:4px 0;"
+        f'{wrap}">{spans}</div>'
+    )
 
-def _legend(pieces)->str:
+
+def _legend(pieces) -> str:
     "Each origin's colour and how many tokens had it."
     counts = {o: sum(1 for _, x in pieces if x == o) for o in ORIGINS}
-    keys = " ".join(f'<span style="background:{COLOURS[o]};padding:1px 6px;border-radius:3px">{o} {counts[o]}</span>' for o in ORIGINS)
+    keys = " ".join(
+        f'<span style="background:{COLOURS[o]};padding:1px 6px;border-radius:3px">{o} {counts[o]}</span>'
+        for o in ORIGINS
+    )
     return f'<div style="margin:4px 0">{keys}</div>'
 
-def _bar(i:int, drafted:int, accepted:int)->str:
+
+def _bar(i: int, drafted: int, accepted: int) -> str:
     "Draft position `i`'s bar: the share of its drafts that were kept."
     a = accepted / drafted if drafted else 0.0
-    return (f'<div style="display:flex;align-items:center;gap:6px;font-size:12px"><span style="width:70px">position {i + 1}</span>'
-            f'<div style="width:200px;height:10px;background:#eee"><div style="width:{200 * a:.0f}px;height:10px;background:#5a5"></div></div>'
-            f'<span>{a:.0%} kept ({accepted}/{drafted})</span></div>')
+    return (
+        '<div style="display:flex;align-items:center;gap:6px;font-size:12px"><span style="width:70px">position '
+        f"{i + 1}</span>"
+        '<div style="width:200px;height:10px;background:#eee"><div '
+        f'style="width:{200 * a:.0f}px;height:10px;background:#5a5"></div></div>'
+        f"<span>{a:.0%} kept ({accepted}/{drafted})</span></div>"
+    )
 
 # %% ../nbs/10_widget.ipynb #1204d0ec
-def render(pieces:list,          # (text, origin) per token
-           stats,                # the generation's `SpecStats`, as far as it has got
-           tps:float|None=None,  # tokens per second so far
-           title:str="",         # a heading above the text
-          )->str:
+def render(
+    pieces: list,  # (text, origin) per token
+    stats,  # the generation's `SpecStats`, as far as it has got
+    tps: float | None = None,  # tokens per second so far
+    title: str = "",  # a heading above the text
+) -> str:
     "The view as one HTML fragment: coloured text, a legend with counts, per-position acceptance bars, the figures."
     head = f"<b>{html.escape(title)}</b><br>" if title else ""
     bars = "".join(_bar(i, d, a) for i, (d, a) in enumerate(zip(stats.drafted_by_pos, stats.accepted_by_pos)))
-    return (f'<div style="font-family:sans-serif">{head}{_text_box(pieces)}{_legend(pieces)}{bars}'
-            f'<div style="font-size:12px;color:#555;margin-top:4px">{figures(len(pieces), stats, tps)}</div></div>')
+    return (
+        f'<div style="font-family:sans-serif">{head}{_text_box(pieces)}{_legend(pieces)}{bars}'
+        f'<div style="font-size:12px;color:#555;margin-top:4px">{figures(len(pieces), stats, tps)}</div></div>'
+    )
 
 # %% ../nbs/10_widget.ipynb #a1ff9d93
-def frames(stream,              # a `SpecStream`
-           tokenizer,           # decodes the stream's token ids
-           title:str="",        # a heading above the text
-           refresh_s:float=0.25,# the least time between two live frames
-          ):
-    "The view's HTML while `stream` runs, a frame every `refresh_s` seconds with the figures so far, then the finished view."
+def frames(
+    stream,  # a `SpecStream`
+    tokenizer,  # decodes the stream's token ids
+    title: str = "",  # a heading above the text
+    refresh_s: float = 0.25,  # the least time between two live frames
+):
+    """The view's HTML while `stream` runs, a frame every `refresh_s` seconds with the figures so far, then the finished
+    view."""
     text, pieces, st = DecodedText(tokenizer), [], stream.result.stats
     t0, last = time.perf_counter(), float("-inf")
     frame = lambda: render(pieces, st, len(pieces) / max(time.perf_counter() - t0, 1e-9), title)
@@ -88,18 +113,25 @@ def frames(stream,              # a `SpecStream`
         if time.perf_counter() - last >= refresh_s:
             last = time.perf_counter()
             yield frame()
-    if pieces: pieces[-1] = (pieces[-1][0] + text.finish(), pieces[-1][1])
+    if pieces:
+        pieces[-1] = (pieces[-1][0] + text.finish(), pieces[-1][1])
     yield frame()
 
 # %% ../nbs/10_widget.ipynb #a16de6b8
-def watch(model, provider, prompt, tokenizer, *, title:str="", refresh_s:float=0.25, **kwargs):
-    "Generate with `spec_stream(model, provider, prompt, **kwargs)` under a live view; the last frame stays as static HTML. Returns the `SpecResult`."
+def watch(model, provider, prompt, tokenizer, *, title: str = "", refresh_s: float = 0.25, **kwargs):
+    """Generate with `spec_stream(model, provider, prompt, **kwargs)` under a live view; the last frame stays as static
+    HTML. Returns the `SpecResult`."""
     view = widgets.HTML()
     handle = display(view, display_id=True)
     with spec_stream(model, provider, prompt, **kwargs) as stream:
-        for f in frames(stream, tokenizer, title, refresh_s): view.value = f   # the widget ends on the finished view, so saved widget state is true too
+        for f in frames(stream, tokenizer, title, refresh_s):
+            view.value = f  # the widget ends on the finished view, so saved widget state is true too
     final = HTML(view.value)
-    if handle is not None: handle.update(final)   # the live widget's place now holds the last frame as plain HTML, which a saved notebook keeps
-    else: display(final)
+    if handle is not None:
+        handle.update(
+            final
+        )  # the live widget's place now holds the last frame as plain HTML, which a saved notebook keeps
+    else:
+        display(final)
     view.close()
     return stream.result

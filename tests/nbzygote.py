@@ -1,18 +1,24 @@
-"""Runs notebooks for `test_notebooks.py`, each in a process forked from this one, which has already imported what they all import.
+"""Runs notebooks for `test_notebooks.py`, each in a process forked from this one, which has already imported what they
+all import.
 
-A notebook's own `nbdev-test` process spends ~5 s before its first cell, most of it in imports every notebook shares (mlx-lm
-imports transformers, which imports torch). Forked from here a notebook starts at once, and still runs in a process of its own:
-its memory, threads, servers and state end with it, as they did with `nbdev-test` (its exit runs the same `atexit` handlers).
+A notebook's own `nbdev-test` process spends ~5 s before its first cell, most of it in imports every notebook shares
+(mlx-lm imports transformers, which imports torch). Forked from here a notebook starts at once, and still runs in a
+process of its own: its memory, threads, servers and state end with it, as they did with `nbdev-test` (its exit runs the
+same `atexit` handlers).
 
-Nothing here runs an MLX operation: MLX starts its worker threads on first use, and a forked child has only the thread that
-forked it, so the first operation must happen in the child. `serve` checks that this process is still single-threaded.
+Nothing here runs an MLX operation: MLX starts its worker threads on first use, and a forked child has only the thread
+that forked it, so the first operation must happen in the child. `serve` checks that this process is still
+single-threaded.
 
 Protocol, one line each way per notebook: `path<TAB>flags<TAB>log` in (the log gets the notebook's stdout and stderr);
 its exit status out."""
+
 import os, sys, threading
 
 import specnb  # first, as in a notebook: it loads OpenBLAS before MLX (nbs/00c_blas.ipynb)
-import execnb.shell, fastcore.test, mlx.core, mlx.nn, mlx_lm, nbdev.test, numpy  # noqa: F401  (loaded once, for every child)
+
+# loaded once, for every child
+import execnb.shell, fastcore.test, mlx.core, mlx.nn, mlx_lm, nbdev.test, numpy  # noqa: F401
 import specnb.executor, specnb.models  # noqa: F401
 
 
@@ -24,7 +30,7 @@ def run(path: str, flags: str, log: str):
     os.close(fd)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    nbdev.test.nbdev_test(path=path, flags=flags, n_workers=0)   # `sys.exit(1)` when a cell fails, as the command does
+    nbdev.test.nbdev_test(path=path, flags=flags, n_workers=0)  # `sys.exit(1)` when a cell fails, as the command does
     sys.exit(0)
 
 

@@ -23,302 +23,428 @@ from ..tap import Tap
 from ..accept import RandomStream
 from .sources import check_batchable, BatchedProvider, drafts_together, group_of, DraftGroup, HeadGroup
 from ..executor import SpecRequest, SpecResult, spec_generate, spec_options
-from ..executor import open_request, read_prompt, propose_drafts, accept_drafts, emit_tokens, commit_round, close_request   # the phase API
+from specnb.executor import (
+    open_request,
+    read_prompt,
+    propose_drafts,
+    accept_drafts,
+    emit_tokens,
+    commit_round,
+    close_request,
+)  # the phase API
 
 # %% ../../nbs/07e_batch.ipynb #8be2ee67
 @dataclass
 class _Row:
     "A request in the batch: the executor's request state, and what the batch keeps beside it."
+
     id: object
-    r: SpecRequest             # the executor's request state
-    slot: Slot                # its row in the target's batched caches
-    own: list                  # the single-sequence caches it was prefilled in (a prompt cache gets its row back)
-    rng: RandomStream = None   # its own random numbers
-    on_token: object = None    # called with each token id; returning False halts it
+    r: SpecRequest  # the executor's request state
+    slot: Slot  # its row in the target's batched caches
+    own: list  # the single-sequence caches it was prefilled in (a prompt cache gets its row back)
+    rng: RandomStream = None  # its own random numbers
+    on_token: object = None  # called with each token id; returning False halts it
     first_plain: bool = False  # a one-token prompt: its first round is a plain step, as in `spec_generate`
-    t1: float = 0.0            # when its decoding began
-    group: DraftGroup | HeadGroup | None = None   # the group its source drafts in, if any
-    draft_row: tuple = ()      # `(slot, own caches)` of its source in that group
-    alone: bool = False        # its source drafts alone for good (`drafts_together` said no: asked once, not every round)
+    t1: float = 0.0  # when its decoding began
+    group: DraftGroup | HeadGroup | None = None  # the group its source drafts in, if any
+    draft_row: tuple = ()  # `(slot, own caches)` of its source in that group
+    alone: bool = False  # its source drafts alone for good (`drafts_together` said no: asked once, not every round)
 
     @property
-    def plain(self)->bool: return self.r.source is None or self.first_plain
-    def budget(self)->int: return min(self.r.o.num_draft_tokens, self.r.o.max_tokens - len(self.r.out))
+    def plain(self) -> bool:
+        return self.r.source is None or self.first_plain
+
+    def budget(self) -> int:
+        return min(self.r.o.num_draft_tokens, self.r.o.max_tokens - len(self.r.out))
 
 # %% ../../nbs/07e_batch.ipynb #45ed8f7c
 class Batch:
-    "Requests that advance together, one target forward per round; they join (`add`) and leave (finished, halted or `remove`d) between rounds."
-    def __init__(self, model,
-                 draft_together:bool=True,      # sources that can (two-model, hidden-state) draft in one forward per step (False: each request on its own)
-                 interleave_prefill:bool=False, # a new request reads one prefill chunk per round instead of its whole prompt in `add`
-                ):
+    """Requests that advance together, one target forward per round; they join (`add`) and leave (finished, halted or
+    `remove`d) between rounds."""
+
+    def __init__(
+        self,
+        model,
+        # sources that can (two-model, hidden-state) draft in one forward per step (False: each request on its own)
+        draft_together: bool = True,
+        # a new request reads one prefill chunk per round instead of its whole prompt in `add`
+        interleave_prefill: bool = False,
+    ):
         check_batchable(model)
         self.model, self.draft_together, self.interleave_prefill = model, draft_together, interleave_prefill
         self.rows, self.reading, self.early, self.slots, self.groups, self._n = [], [], [], [], {}, 0
-        self.failed = []   # `(id, exception)` of the requests whose own part of the last round raised
-        self.cache = batch_cache(model)   # a ring per row for each sliding-window layer, a state per row for each recurrent one
+        self.failed = []  # `(id, exception)` of the requests whose own part of the last round raised
+        self.cache = batch_cache(
+            model
+        )  # a ring per row for each sliding-window layer, a state per row for each recurrent one
 
-    def __len__(self): return len(self.rows) + len(self.reading)   # requests holding a slot, their prompts read or not
-    def __repr__(self): return f"Batch({len(self.rows)} requests, rows holding {self.cache[0].ends} tokens; {len(self.reading)} reading their prompts)"
+    def __len__(self):
+        return len(self.rows) + len(self.reading)  # requests holding a slot, their prompts read or not
+
+    def __repr__(self):
+        return (
+            f"Batch({len(self.rows)} requests, rows holding {self.cache[0].ends} tokens; {len(self.reading)} "
+            "reading their prompts)"
+        )
 
 # %% ../../nbs/07e_batch.ipynb #5bdee749
 @dataclass
 class _Reading:
     "A request still reading its prompt on its own caches."
+
     id: object
-    r: SpecRequest        # the executor's request state
-    rng: RandomStream     # its own random numbers: its seed's, or the global key's
+    r: SpecRequest  # the executor's request state
+    rng: RandomStream  # its own random numbers: its seed's, or the global key's
     on_token: object
-    t0: float             # when it began reading
-    done: int = 0         # prompt tokens read
+    t0: float  # when it began reading
+    done: int = 0  # prompt tokens read
+
 
 @patch
 @delegates(spec_options)
-def add(self:Batch, prompt, provider=None, *,
-        id=None,        # the request's name in `step`'s results (default: 0, 1, 2, ... in order of joining)
-        seed=None,      # its own random seed, in [0, 2**64): it samples as `mx.random.seed(seed)` then `spec_generate` would
-        on_token=None,  # called with each token id as it is emitted; returning False halts the request
-        **kwargs):
-    "Open a request as `spec_generate` does and read its prompt on its own caches (now, or a chunk per round); returns its id."
+def add(
+    self: Batch,
+    prompt,
+    provider=None,
+    *,
+    id=None,  # the request's name in `step`'s results (default: 0, 1, 2, ... in order of joining)
+    seed=None,  # its own random seed, in [0, 2**64): it samples as `mx.random.seed(seed)` then `spec_generate` would
+    on_token=None,  # called with each token id as it is emitted; returning False halts the request
+    **kwargs,
+):
+    """Open a request as `spec_generate` does and read its prompt on its own caches (now, or a chunk per round); returns
+    its id."""
     id = self._n if id is None else id
-    if any(x.id == id for x in self.rows + self.reading): raise ValueError(f"a request {id!r} is already in the batch: give each request its own id")
-    rng = RandomStream(seed)   # a bad seed is refused here, before anything is opened
+    if any(x.id == id for x in self.rows + self.reading):
+        raise ValueError(f"a request {id!r} is already in the batch: give each request its own id")
+    rng = RandomStream(seed)  # a bad seed is refused here, before anything is opened
     self._n += 1
-    request = SimpleNamespace(r=None)   # what its source's view of the target's caches reads, once it is open
-    r = open_request(self.model, BatchedProvider(provider, request) if provider is not None else None, prompt, SpecResult(), spec_options(**kwargs))
+    request = SimpleNamespace(r=None)  # what its source's view of the target's caches reads, once it is open
+    r = open_request(
+        self.model,
+        BatchedProvider(provider, request) if provider is not None else None,
+        prompt,
+        SpecResult(),
+        spec_options(**kwargs),
+    )
     request.r = r
     q = _Reading(id, r, rng, on_token, time.perf_counter())
-    if self.interleave_prefill: self.reading.append(q)
+    if self.interleave_prefill:
+        self.reading.append(q)
     else:
-        while not self._read(q): pass
+        while not self._read(q):
+            pass
     return id
 
 # %% ../../nbs/07e_batch.ipynb #71fd29ee
 @patch
-def _read(self:Batch, q:_Reading)->bool:
-    "Read the next prefill chunk of `q`'s prompt (the executor's `read_prompt` reads the last); True once it is done: joined, or cut short."
+def _read(self: Batch, q: _Reading) -> bool:
+    """Read the next prefill chunk of `q`'s prompt (the executor's `read_prompt` reads the last); True once it is done:
+    joined, or cut short."""
     r, step = q.r, q.r.o.prefill_step_size
-    if q.done and r.o.should_stop is not None and r.o.should_stop(): cut = r.finish("cancelled")
-    elif len(r.prompt) - 1 - q.done > step:   # not the last chunk: the same chunks `spec_generate` reads
-        with r.watch: q.done += prefill_drain(r.model, r.cache, r.prompt[q.done:q.done + step], step, on_logits=r.prompt_scorer)
+    if q.done and r.o.should_stop is not None and r.o.should_stop():
+        cut = r.finish("cancelled")
+    elif len(r.prompt) - 1 - q.done > step:  # not the last chunk: the same chunks `spec_generate` reads
+        with r.watch:
+            q.done += prefill_drain(r.model, r.cache, r.prompt[q.done : q.done + step], step, on_logits=r.prompt_scorer)
         return False
     else:
-        prompt, r.prompt = r.prompt, r.prompt[q.done:]
+        prompt, r.prompt = r.prompt, r.prompt[q.done :]
         cut = read_prompt(r)
         r.prompt = prompt
-    if cut:   # it never takes a row; the next `step` reports it
+    if cut:  # it never takes a row; the next `step` reports it
         close_request(r, q.t0)
         self.early.append((q.id, r.res))
-    else: self._join(q)
+    else:
+        self._join(q)
     return True
 
+
 @patch
-def _join(self:Batch, q:_Reading):
+def _join(self: Batch, q: _Reading):
     "A request whose prompt is read moves its caches into a new row of the batch."
     r = q.r
     r.res.stats.prefill_s = time.perf_counter() - q.t0
     slot = Slot(len(self.slots))
     w = _Row(q.id, r, slot, r.cache, q.rng, q.on_token, len(r.full) == 1, time.perf_counter())
-    for c in leaves(r.cache): c.offset = getattr(c, "offset", len(r.full) - 1)   # mlx-lm's recurrent state (a plain request's) does not count its tokens
+    for c in leaves(r.cache):
+        c.offset = getattr(
+            c, "offset", len(r.full) - 1
+        )  # mlx-lm's recurrent state (a plain request's) does not count its tokens
     r.cache = lend(r.cache, self.cache, slot)
     self.slots.append(slot)
     self.rows.append(w)
 
 # %% ../../nbs/07e_batch.ipynb #fdbb1c48
-def _draft_alone(w:_Row, n:int)->tuple:
+def _draft_alone(w: _Row, n: int) -> tuple:
     "The executor's own draft phase, on the request's random key."
-    with w.rng: return propose_drafts(w.r, n)
+    with w.rng:
+        return propose_drafts(w.r, n)
+
 
 @patch
-def _group(self:Batch, w:_Row)->DraftGroup|HeadGroup|None:
-    "The group `w`'s source drafts in — its draft model's, its head's — joining it at its first draft; or None: it drafts alone."
+def _group(self: Batch, w: _Row) -> DraftGroup | HeadGroup | None:
+    """The group `w`'s source drafts in — its draft model's, its head's — joining it at its first draft; or None: it
+    drafts alone."""
     src = w.r.source
-    if w.group is not None or w.alone or not self.draft_together: return w.group
-    w.alone = not drafts_together(src)   # the source's grammar, p_min and draft model: asked once
-    if w.alone: return None
+    if w.group is not None or w.alone or not self.draft_together:
+        return w.group
+    w.alone = not drafts_together(src)  # the source's grammar, p_min and draft model: asked once
+    if w.alone:
+        return None
     key, make = group_of(src)
-    if key not in self.groups: self.groups[key] = make()
+    if key not in self.groups:
+        self.groups[key] = make()
     w.group = self.groups[key]
     w.draft_row = w.group.join(src)
     return w.group
 
+
 @patch
-def _drafts(self:Batch)->list:
-    "Every request's `(drafts, d)` this round, in row order: a group's requests in one forward per step, the others alone."
+def _drafts(self: Batch) -> list:
+    """Every request's `(drafts, d)` this round, in row order: a group's requests in one forward per step, the others
+    alone."""
     plans, grouped = {}, {}
-    for layer in self.cache: layer.reserve(1 + max(w.budget() for w in self.rows))   # a ring keeps room for a source drafting on its row (early exit)
-    for w in list(self.rows):   # one that fails leaves the batch
-        if w.plain: plans[id(w)] = [], 0
-        elif (g := self._group(w)) is not None: grouped.setdefault(id(g), (g, []))[1].append(w)
+    for layer in self.cache:
+        layer.reserve(
+            1 + max(w.budget() for w in self.rows)
+        )  # a ring keeps room for a source drafting on its row (early exit)
+    for w in list(self.rows):  # one that fails leaves the batch
+        if w.plain:
+            plans[id(w)] = [], 0
+        elif (g := self._group(w)) is not None:
+            grouped.setdefault(id(g), (g, []))[1].append(w)
         else:
-            try: plans[id(w)] = _draft_alone(w, w.budget())
-            except Exception as e: self._fail(w, e)
+            try:
+                plans[id(w)] = _draft_alone(w, w.budget())
+            except Exception as e:
+                self._fail(w, e)
     for g, ws in grouped.values():
         ws.sort(key=lambda w: w.draft_row[0].index)
         ns = [w.budget() for w in ws]
         drafts, failed = g.draft(ws, ns)
-        for w, d in zip(ws, drafts): plans[id(w)] = d, (d.size if isinstance(d, mx.array) else len(d))   # a head proposes none before it has read a row
-        for j, e in failed.items(): self._fail(ws[j], e)
+        for w, d in zip(ws, drafts):
+            plans[id(w)] = (
+                d,
+                (d.size if isinstance(d, mx.array) else len(d)),
+            )  # a head proposes none before it has read a row
+        for j, e in failed.items():
+            self._fail(ws[j], e)
     return [plans[id(w)] for w in self.rows]
 
 # %% ../../nbs/07e_batch.ipynb #515af385
-def _window(w:_Row, drafts, width:int)->mx.array:
+def _window(w: _Row, drafts, width: int) -> mx.array:
     "`[pending, *drafts]`, padded to `width` (the padding's positions are given back before anyone reads them)."
     d = drafts if isinstance(drafts, mx.array) else mx.array(drafts, mx.uint32)
     pad = mx.zeros((width - 1 - d.size,), mx.uint32)
     return mx.concatenate([mx.array([w.r.pending], mx.uint32), d.astype(mx.uint32), pad])
 
-def _hand_rows(tap:Tap, rows:list, plans:list):
-    "Each request whose source reads hidden states gets its own rows of the batched forward — its window's, not the padding — as its own tap would have recorded them."
+
+def _hand_rows(tap: Tap, rows: list, plans: list):
+    """Each request whose source reads hidden states gets its own rows of the batched forward — its window's, not the
+    padding — as its own tap would have recorded them."""
     for i, (w, (_, d)) in enumerate(zip(rows, plans)):
-        if w.r.tap is None: continue
-        for layer in w.r.tap.layers: w.r.tap.recorded[layer].append(tap.recorded[layer][0][i:i + 1, :d + 1])
+        if w.r.tap is None:
+            continue
+        for layer in w.r.tap.layers:
+            w.r.tap.recorded[layer].append(tap.recorded[layer][0][i : i + 1, : d + 1])
+
 
 @patch
-def _verify(self:Batch, plans:list)->mx.array:
-    "ONE target forward over every request's window, right-padded to the longest (tapped at the layers any request's source reads); then each row gives back its padding."
+def _verify(self: Batch, plans: list) -> mx.array:
+    """ONE target forward over every request's window, right-padded to the longest (tapped at the layers any request's
+    source reads); then each row gives back its padding."""
     width = 1 + max(d for _, d in plans)
     x = mx.stack([_window(w, drafts, width) for w, (drafts, _) in zip(self.rows, plans)])
     layers = sorted({i for w in self.rows if w.r.tap is not None for i in w.r.tap.layers})
     with ExitStack() as watching:
-        for w in self.rows:   # a source that reads the forward itself (05p's assistant) takes its own row of it
-            if w.r.tap is None: watching.enter_context(w.r.watch)
-        if not layers: logits = self.model(x, cache=self.cache)
+        for w in self.rows:  # a source that reads the forward itself (05p's assistant) takes its own row of it
+            if w.r.tap is None:
+                watching.enter_context(w.r.watch)
+        if not layers:
+            logits = self.model(x, cache=self.cache)
         else:
-            with Tap(self.model, layers) as tap: logits = self.model(x, cache=self.cache)
+            with Tap(self.model, layers) as tap:
+                logits = self.model(x, cache=self.cache)
             _hand_rows(tap, self.rows, plans)
-    for layer in self.cache: layer.ends = [e - (width - 1 - d) for e, (_, d) in zip(layer.ends, plans)]
+    for layer in self.cache:
+        layer.ends = [e - (width - 1 - d) for e, (_, d) in zip(layer.ends, plans)]
     return logits
 
 # %% ../../nbs/07e_batch.ipynb #4e247a17
-def _drain(gen, on_token)->bool:
-    "Run the executor's `emit_tokens` to its end, handing each token to `on_token`; True when the request ended (finished, or halted by it)."
+def _drain(gen, on_token) -> bool:
+    """Run the executor's `emit_tokens` to its end, handing each token to `on_token`; True when the request ended
+    (finished, or halted by it)."""
     try:
         while True:
             t = next(gen)
             if on_token is not None and on_token(t) is False:
-                gen.close()   # its `finally` rolls back, as when a consumer closes `spec_stream` mid-burst
+                gen.close()  # its `finally` rolls back, as when a consumer closes `spec_stream` mid-burst
                 return True
-    except StopIteration as e: return bool(e.value)
+    except StopIteration as e:
+        return bool(e.value)
 
-def _walk(w:_Row, logits:mx.array, drafts, d:int)->bool:
-    "The request's accept walk, emission and rollback, on its own; then, if it goes on, its next `pending` and `feed`. True when it ended."
+
+def _walk(w: _Row, logits: mx.array, drafts, d: int) -> bool:
+    """The request's accept walk, emission and rollback, on its own; then, if it goes on, its next `pending` and `feed`.
+    True when it ended."""
     r = w.r
-    with w.rng: toks, k = accept_drafts(r, logits[:d + 1], drafts, d)
-    if isinstance(drafts, mx.array): drafts = drafts.tolist()   # already computed by the walk's read-back
-    if w.plain: r.res.stats.target_calls += 1
-    else: r.res.stats.count_round(d, k)
-    if _drain(emit_tokens(r, toks, d, k), w.on_token): return True
-    if not w.plain: commit_round(r, drafts, toks, d, k)
-    else:   # as the executor's plain step: the draft reads the prompt's one token with it next round
+    with w.rng:
+        toks, k = accept_drafts(r, logits[: d + 1], drafts, d)
+    if isinstance(drafts, mx.array):
+        drafts = drafts.tolist()  # already computed by the walk's read-back
+    if w.plain:
+        r.res.stats.target_calls += 1
+    else:
+        r.res.stats.count_round(d, k)
+    if _drain(emit_tokens(r, toks, d, k), w.on_token):
+        return True
+    if not w.plain:
+        commit_round(r, drafts, toks, d, k)
+    else:  # as the executor's plain step: the draft reads the prompt's one token with it next round
         r.pending = toks[0]
-        if w.first_plain: r.feed = [r.full[0], r.pending]
+        if w.first_plain:
+            r.feed = [r.full[0], r.pending]
         w.first_plain = False
     return False
 
 # %% ../../nbs/07e_batch.ipynb #1a336031
 @patch
-def _drop(self:Batch, w:_Row):
+def _drop(self: Batch, w: _Row):
     "Take `w` out with nothing of it kept: its draft row and its target row freed, its source closed."
     self.rows.remove(w)
-    if w.group is not None: w.group.leave(w.r.source, *w.draft_row)
+    if w.group is not None:
+        w.group.leave(w.r.source, *w.draft_row)
     take_back(w.own, self.cache, self.slots, w.slot)
-    if w.r.source is not None: w.r.source.close()
+    if w.r.source is not None:
+        w.r.source.close()
+
 
 @patch
-def _leave(self:Batch, w:_Row):
-    "Take the request out: check the cache invariant, give its caches back (a prompt cache keeps them), close its source and count."
+def _leave(self: Batch, w: _Row):
+    """Take the request out: check the cache invariant, give its caches back (a prompt cache keeps them), close its
+    source and count."""
     r = w.r
     held = len(r.full) + r.res.fed
-    if (has := next(leaves(r.cache)).offset) != held:   # nothing of it may be kept: it leaves as a failed request does
+    if (has := next(leaves(r.cache)).offset) != held:  # nothing of it may be kept: it leaves as a failed request does
         self._drop(w)
         raise RuntimeError(f"request {w.id!r}: its row holds {has} tokens, not the {held} of its prompt and fed tokens")
-    if w.group is not None: w.group.leave(r.source, *w.draft_row)
+    if w.group is not None:
+        w.group.leave(r.source, *w.draft_row)
     take_back(w.own, self.cache, self.slots, w.slot)
     r.cache = w.own
     self.rows.remove(w)
     close_request(r, w.t1)
 
-@patch
-def _fail(self:Batch, w:_Row, e:Exception):
-    "Take out a request whose own part of the round raised (its drafting alone, its walk, its emission): nothing of it is kept; the others go on."
-    if w in self.rows: self._drop(w)
-    self.failed.append((w.id, e))
 
 @patch
-def _try_read(self:Batch, q:_Reading)->bool:
+def _fail(self: Batch, w: _Row, e: Exception):
+    """Take out a request whose own part of the round raised (its drafting alone, its walk, its emission): nothing of it
+    is kept; the others go on."""
+    if w in self.rows:
+        self._drop(w)
+    self.failed.append((w.id, e))
+
+
+@patch
+def _try_read(self: Batch, q: _Reading) -> bool:
     "`_read`, with a request whose prompt cannot be read taken out as failed."
-    try: return self._read(q)
+    try:
+        return self._read(q)
     except Exception as e:
-        if q.r.source is not None: q.r.source.close()
+        if q.r.source is not None:
+            q.r.source.close()
         self.failed.append((q.id, e))
         return True
 
+
 @patch
-def step(self:Batch)->list:
-    "One round: each request drafts, ONE target forward verifies them all, each walks, emits and rolls back. Returns `(id, SpecResult)` of those that ended; `failed` lists those whose own part raised."
+def step(self: Batch) -> list:
+    """One round: each request drafts, ONE target forward verifies them all, each walks, emits and rolls back. Returns
+    `(id, SpecResult)` of those that ended; `failed` lists those whose own part raised."""
     self.failed = []
-    self.reading = [q for q in self.reading if not self._try_read(q)]   # each new request reads one more chunk, and joins when done
-    early, self.early = self.early, []   # cut short while reading their prompts
-    if not self.rows: return early
+    self.reading = [
+        q for q in self.reading if not self._try_read(q)
+    ]  # each new request reads one more chunk, and joins when done
+    early, self.early = self.early, []  # cut short while reading their prompts
+    if not self.rows:
+        return early
     plans = self._drafts()
-    if not self.rows: return early   # every request failed its drafting
-    logits = self._verify(plans)     # shared: if it raises, the whole round does
+    if not self.rows:
+        return early  # every request failed its drafting
+    logits = self._verify(plans)  # shared: if it raises, the whole round does
     ended = []
     for w, (drafts, d), lg in zip(list(self.rows), plans, logits):
         try:
-            if _walk(w, lg, drafts, d): ended.append(w)
-        except Exception as e: self._fail(w, e)
+            if _walk(w, lg, drafts, d):
+                ended.append(w)
+        except Exception as e:
+            self._fail(w, e)
     left = []
     for w in ended:
-        try: self._leave(w)
-        except Exception as e: self._fail(w, e)
-        else: left.append((w.id, w.r.res))
+        try:
+            self._leave(w)
+        except Exception as e:
+            self._fail(w, e)
+        else:
+            left.append((w.id, w.r.res))
     return early + left
 
+
 @patch
-def close(self:Batch):
+def close(self: Batch):
     "Drop every request at once, closing its source (after an error mid-round: no invariant is left to check)."
     for w in self.rows + self.reading:
-        if w.r.source is not None: w.r.source.close()
+        if w.r.source is not None:
+            w.r.source.close()
     self.rows, self.reading, self.slots, self.groups = [], [], [], {}
     self.cache = batch_cache(self.model)
 
+
 @patch
-def remove(self:Batch, id)->SpecResult:
-    "Take request `id` out between rounds (a cancelled request): its result so far — finish reason None, or 'cancelled' while it read its prompt. It leaves even when this raises."
+def remove(self: Batch, id) -> SpecResult:
+    """Take request `id` out between rounds (a cancelled request): its result so far — finish reason None, or
+    'cancelled' while it read its prompt. It leaves even when this raises."""
     q = next((q for q in self.reading if q.id == id), None)
-    if q is not None:   # its cache holds part of its prompt, as a prefill `should_stop` cut short
+    if q is not None:  # its cache holds part of its prompt, as a prefill `should_stop` cut short
         self.reading.remove(q)
         q.r.finish("cancelled")
         close_request(q.r, q.t0)
         return q.r.res
     w = next((w for w in self.rows if w.id == id), None)
-    if w is None: raise KeyError(f"no request {id!r} in the batch; it holds {[x.id for x in self.rows + self.reading]}")
+    if w is None:
+        raise KeyError(f"no request {id!r} in the batch; it holds {[x.id for x in self.rows + self.reading]}")
     self._leave(w)
     return w.r.res
 
 # %% ../../nbs/07e_batch.ipynb #79fda61f
-def _per_prompt(name:str, value, n:int, one=lambda v: not isinstance(v, (list, tuple)))->list:
+def _per_prompt(name: str, value, n: int, one=lambda v: not isinstance(v, (list, tuple))) -> list:
     "`value` for each of `n` prompts: one value for all, or a list of `n`."
-    if one(value): return [value] * n
-    if len(value) != n: raise ValueError(f"{name} has {len(value)} entries for {n} prompts: give one, or one per prompt")
+    if one(value):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries for {n} prompts: give one, or one per prompt")
     return list(value)
 
+
 @delegates(spec_options)
-def spec_generate_batch(model,                   # the target: an mlx-lm model, full attention, sliding windows or capturable recurrent layers (04e)
-                        providers,               # a `DraftProvider` for every prompt, or a list of one per prompt (None: plain decoding)
-                        prompts:list,            # token id lists
-                        *,
-                        seeds=None,              # an int per prompt (or None): each samples as `mx.random.seed(s)` then `spec_generate`
-                        options=None,            # a dict of options per prompt, over `kwargs` (e.g. its own `num_draft_tokens`)
-                        max_batch_size:int=8,    # requests in a round at once; the rest wait, and join as others finish
-                        draft_together:bool=True,# sources that can (two-model, hidden-state) draft in one forward per step
-                        interleave_prefill:bool=False, # new requests read a prefill chunk per round, while the others go on
-                        **kwargs)->list:
-    "Generate for every prompt with batched rounds: one `SpecResult` per prompt, the one `spec_generate` gives it alone."
+def spec_generate_batch(
+    model,  # the target: an mlx-lm model, full attention, sliding windows or capturable recurrent layers (04e)
+    providers,  # a `DraftProvider` for every prompt, or a list of one per prompt (None: plain decoding)
+    prompts: list,  # token id lists
+    *,
+    seeds=None,  # an int per prompt (or None): each samples as `mx.random.seed(s)` then `spec_generate`
+    options=None,  # a dict of options per prompt, over `kwargs` (e.g. its own `num_draft_tokens`)
+    max_batch_size: int = 8,  # requests in a round at once; the rest wait, and join as others finish
+    draft_together: bool = True,  # sources that can (two-model, hidden-state) draft in one forward per step
+    interleave_prefill: bool = False,  # new requests read a prefill chunk per round, while the others go on
+    **kwargs,
+) -> list:
+    """Generate for every prompt with batched rounds: one `SpecResult` per prompt, the one `spec_generate` gives it
+    alone."""
     n = len(prompts)
-    if max_batch_size < 1: raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     providers, seeds = _per_prompt("providers", providers, n), _per_prompt("seeds", seeds, n)
     options = _per_prompt("options", options or {}, n, one=lambda v: isinstance(v, dict))
     batch, results, queue = Batch(model, draft_together, interleave_prefill), {}, list(range(n))
@@ -328,7 +454,8 @@ def spec_generate_batch(model,                   # the target: an mlx-lm model, 
                 i = queue.pop(0)
                 batch.add(prompts[i], providers[i], id=i, seed=seeds[i], **{**kwargs, **options[i]})
             results.update(batch.step())
-            if batch.failed: raise batch.failed[0][1]   # offline, a request that fails is the call's error
+            if batch.failed:
+                raise batch.failed[0][1]  # offline, a request that fails is the call's error
     except BaseException:
         batch.close()
         raise
@@ -336,23 +463,36 @@ def spec_generate_batch(model,                   # the target: an mlx-lm model, 
 
 # %% ../../nbs/07e_batch.ipynb #8aa49c0c
 @patch
-def result(self:Batch, id)->SpecResult:
+def result(self: Batch, id) -> SpecResult:
     "Request `id`'s `SpecResult` as it fills in: when its `on_token` runs, `logprobs[-1]` is that token's entry."
     x = next((x for x in self.rows + self.reading if x.id == id), None)
-    if x is None: raise KeyError(f"no request {id!r} in the batch; it holds {[x.id for x in self.rows + self.reading]}")
+    if x is None:
+        raise KeyError(f"no request {id!r} in the batch; it holds {[x.id for x in self.rows + self.reading]}")
     return x.r.res
 
 # %% ../../nbs/07e_batch.ipynb #e26597d1
 @delegates(spec_options)
-def batch_throughput(model, providers, prompts:list,
-                     sizes=(1, 2, 4, 8),  # batch sizes to measure, each against the same requests one at a time
-                     repeats:int=1,       # rounds of runs, interleaved (one at a time, then each size); the median run is kept
-                     draft_together:bool=True, # batched sources draft together where they can (False: each on its own)
-                     **kwargs)->list:
-    "Aggregate decode tokens/s of `prompts` one at a time (`spec_generate`), then batched at each of `sizes`: one dict per contender, median of `repeats`."
+def batch_throughput(
+    model,
+    providers,
+    prompts: list,
+    sizes=(1, 2, 4, 8),  # batch sizes to measure, each against the same requests one at a time
+    repeats: int = 1,  # rounds of runs, interleaved (one at a time, then each size); the median run is kept
+    draft_together: bool = True,  # batched sources draft together where they can (False: each on its own)
+    **kwargs,
+) -> list:
+    """Aggregate decode tokens/s of `prompts` one at a time (`spec_generate`), then batched at each of `sizes`: one dict
+    per contender, median of `repeats`."""
     providers = _per_prompt("providers", providers, len(prompts))
-    runs = {"one at a time": lambda: [spec_generate(model, p, x, **kwargs) for p, x in zip(providers, prompts)],
-            **{b: lambda b=b: spec_generate_batch(model, providers, prompts, max_batch_size=b, draft_together=draft_together, **kwargs) for b in sizes}}
+    runs = {
+        "one at a time": lambda: [spec_generate(model, p, x, **kwargs) for p, x in zip(providers, prompts)],
+        **{
+            b: lambda b=b: spec_generate_batch(
+                model, providers, prompts, max_batch_size=b, draft_together=draft_together, **kwargs
+            )
+            for b in sizes
+        },
+    }
     seen = {k: [] for k in runs}
     for _ in range(repeats):
         for k, f in runs.items():
@@ -360,5 +500,6 @@ def batch_throughput(model, providers, prompts:list,
             n = sum(len(r.tokens) for r in f())
             seen[k].append((n / (time.perf_counter() - t), n))
     rows = [dict(batch=k, tokens=statistics.median_low(v)[1], tps=statistics.median_low(v)[0]) for k, v in seen.items()]
-    for r in rows: r["speedup"] = r["tps"] / rows[0]["tps"]
+    for r in rows:
+        r["speedup"] = r["tps"] / rows[0]["tps"]
     return rows

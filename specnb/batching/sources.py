@@ -21,147 +21,224 @@ from ..sources.two_model import TwoModelSource
 from ..sources.chain import HeadSource
 
 # %% ../../nbs/07g_batch_sources.ipynb #10f0d1b1
-def _batchable(model)->bool:
+def _batchable(model) -> bool:
     "Do batched rounds hold every layer of `model` (`check_batchable` says nothing)?"
-    try: check_batchable(model)
-    except ValueError: return False
+    try:
+        check_batchable(model)
+    except ValueError:
+        return False
     return True
 
-def _kind(c)->str|None:
-    "What a cache says about its layer, in words; None for the layers batched rounds hold (full attention, a plain sliding window)."
-    if type(c) is KVCache or (type(c) is RotatingKVCache and not c.keep): return None
-    if isinstance(c, RotatingKVCache): return f"sliding-window ({type(c).__name__} keeping {c.keep} sink tokens)"
-    if isinstance(c, ArraysCache): return f"recurrent ({type(c).__name__})"
+
+def _kind(c) -> str | None:
+    """What a cache says about its layer, in words; None for the layers batched rounds hold (full attention, a plain
+    sliding window)."""
+    if type(c) is KVCache or (type(c) is RotatingKVCache and not c.keep):
+        return None
+    if isinstance(c, RotatingKVCache):
+        return f"sliding-window ({type(c).__name__} keeping {c.keep} sink tokens)"
+    if isinstance(c, ArraysCache):
+        return f"recurrent ({type(c).__name__})"
     return type(c).__name__
 
+
 def check_batchable(model):
-    "Raise `ValueError`, naming the layers, unless every layer of `model` is full attention, a plain sliding window, or recurrent state its mixer keeps per row (04e)."
-    why = unbatched_state(model)   # why its recurrent layers cannot batch; None when they can, or it has none
-    kinds = {k for c in leaves(make_prompt_cache(model)) if (k := _kind(c)) and not k.startswith("recurrent")} | ({why} if why else set())
-    if kinds: raise ValueError(f"batched rounds support full-attention, sliding-window and capturable recurrent layers only for now; this model has "
-                               f"{', '.join(sorted(kinds))} layers, which are not supported yet: run its requests one at a time with spec_generate")
+    """Raise `ValueError`, naming the layers, unless every layer of `model` is full attention, a plain sliding window,
+    or recurrent state its mixer keeps per row (04e)."""
+    why = unbatched_state(model)  # why its recurrent layers cannot batch; None when they can, or it has none
+    kinds = {k for c in leaves(make_prompt_cache(model)) if (k := _kind(c)) and not k.startswith("recurrent")} | (
+        {why} if why else set()
+    )
+    if kinds:
+        raise ValueError(
+            "batched rounds support full-attention, sliding-window and capturable recurrent layers only for now; "
+            "this model has "
+            f"{', '.join(sorted(kinds))} layers, which are not supported yet: run its requests one at a time with "
+            "spec_generate"
+        )
 
 # %% ../../nbs/07g_batch_sources.ipynb #5ca94374
-_COUNTS = ("offset", "trim", "trimmable", "is_trimmable")   # what a rollback reads of a recurrent layer's row
+_COUNTS = ("offset", "trim", "trimmable", "is_trimmable")  # what a rollback reads of a recurrent layer's row
+
 
 class LayerView:
-    "One layer of the target's caches as a batched request's source reads it: the request's own cache of that layer now (its row's view once it has joined)."
-    def __init__(self, request, i:int): self._request, self._i = request, i   # `request.r`: the executor's request, set once it is open
+    """One layer of the target's caches as a batched request's source reads it: the request's own cache of that layer
+    now (its row's view once it has joined)."""
+
+    def __init__(self, request, i: int):
+        self._request, self._i = request, i  # `request.r`: the executor's request, set once it is open
 
     @property
     def now(self):
         "The cache this layer's view stands for now."
-        if self._request.r is None: raise RuntimeError("a batched request's source reads the target's caches once the request is open, not while it opens")
+        if self._request.r is None:
+            raise RuntimeError(
+                "a batched request's source reads the target's caches once the request is open, not while it opens"
+            )
         return self._request.r.cache[self._i]
 
     @property
-    def __class__(self): return type(self.now)   # `isinstance` sees the cache it stands for
+    def __class__(self):
+        return type(self.now)  # `isinstance` sees the cache it stands for
 
-    def _allowed(self, name:str):
+    def _allowed(self, name: str):
         "The cache itself, unless the source would run a recurrent layer's row: refused, naming it."
         c = self.now
         if isinstance(c, RowCache) and not hasattr(c.layer, "write_row") and name not in _COUNTS:
-            raise ValueError(f"this draft source runs the target's layer {self._i}, a recurrent layer ({type(c.layer).__name__}), on its own: batched rounds "
-                             "keep a recurrent layer's rows only over the whole batch's verify forward (04e), not one row at a time; "
-                             "run its requests one at a time with spec_generate")
+            raise ValueError(
+                f"this draft source runs the target's layer {self._i}, a recurrent layer ({type(c.layer).__name__}), "
+                "on its own: batched rounds "
+                "keep a recurrent layer's rows only over the whole batch's verify forward (04e), not one row at a "
+                "time; "
+                "run its requests one at a time with spec_generate"
+            )
         return c
 
-    def __getattr__(self, name): return getattr(self._allowed(name), name)
-    def __getitem__(self, k): return self._allowed("__getitem__")[k]
-    def __setitem__(self, k, v): self._allowed("__setitem__")[k] = v
+    def __getattr__(self, name):
+        return getattr(self._allowed(name), name)
+
+    def __getitem__(self, k):
+        return self._allowed("__getitem__")[k]
+
+    def __setitem__(self, k, v):
+        self._allowed("__setitem__")[k] = v
+
 
 class BatchedProvider:
-    "A provider as a batched request opens it: its source reads the target's caches through `LayerView`s; hidden states it gets row by row (07e's `_verify`)."
-    def __init__(self, provider, request): self.provider, self.request = provider, request
+    """A provider as a batched request opens it: its source reads the target's caches through `LayerView`s; hidden
+    states it gets row by row (07e's `_verify`)."""
+
+    def __init__(self, provider, request):
+        self.provider, self.request = provider, request
+
     def open(self, target=None, **kw):
         views = [LayerView(self.request, i) for i in range(len(target.cache))]
         return self.provider.open(target=TargetView(target.model, views), **kw)
 
 # %% ../../nbs/07g_batch_sources.ipynb #9807f801
-def drafts_together(src)->bool:
-    "Can this source draft in a batched forward? A two-model source, or a hidden-state one (`HeadSource`), without a grammar or `p_min` (they step per request, with a host sync)."
-    if type(src) is HeadSource: return src.grammar is None
+def drafts_together(src) -> bool:
+    """Can this source draft in a batched forward? A two-model source, or a hidden-state one (`HeadSource`), without a
+    grammar or `p_min` (they step per request, with a host sync)."""
+    if type(src) is HeadSource:
+        return src.grammar is None
     return type(src) is TwoModelSource and src.grammar is None and src.p_min is None and _batchable(src.model)
 
-class DraftGroup:
-    "The caches of one draft model for the requests whose sources draft together: one draft forward per step for all of them."
-    def __init__(self, model): self.model, self.cache, self.slots = model, batch_cache(model, history=True), []   # a recurrent row gives back drafts of several forwards
 
-    def join(self, src)->tuple:
-        "Move the source's draft caches into a new row; the source now reads and trims them through views. Returns `(slot, own caches)`."
+class DraftGroup:
+    """The caches of one draft model for the requests whose sources draft together: one draft forward per step for all
+    of them."""
+
+    def __init__(self, model):
+        self.model, self.cache, self.slots = (
+            model,
+            batch_cache(model, history=True),
+            [],
+        )  # a recurrent row gives back drafts of several forwards
+
+    def join(self, src) -> tuple:
+        """Move the source's draft caches into a new row; the source now reads and trims them through views. Returns
+        `(slot, own caches)`."""
         slot, own = Slot(len(self.slots)), src.cache
         src.cache = lend(own, self.cache, slot)
         self.slots.append(slot)
         return slot, own
 
-    def leave(self, src, slot:Slot, own:list):
+    def leave(self, src, slot: Slot, own: list):
         "Give the source its own caches back, holding its row (it saves or closes them as after `spec_generate`)."
         take_back(own, self.cache, self.slots, slot)
         src.cache = own
 
 # %% ../../nbs/07g_batch_sources.ipynb #79557d3c
-def _processed(src, logits:mx.array, read:mx.array)->mx.array:
-    "A row's draft logits through its source's logits processors, its history grown by the tokens just `read` (as the source's own `_logits`)."
-    if not src.procs: return logits
+def _processed(src, logits: mx.array, read: mx.array) -> mx.array:
+    """A row's draft logits through its source's logits processors, its history grown by the tokens just `read` (as the
+    source's own `_logits`)."""
+    if not src.procs:
+        return logits
     src.history = mx.concatenate([src.history, read])
-    for p in src.procs: logits = p(src.history, logits)
+    for p in src.procs:
+        logits = p(src.history, logits)
     return logits
 
-def _sample_row(w, logits:mx.array, read:mx.array)->mx.array:
-    "One row's next draft from its logits, through its own processors and random stream (what its source's `draft` does)."
+
+def _sample_row(w, logits: mx.array, read: mx.array) -> mx.array:
+    """One row's next draft from its logits, through its own processors and random stream (what its source's `draft`
+    does)."""
     row = _processed(w.r.source, logits, read)
-    with w.rng: t = sample_positions(row, w.r.source.sampler)
+    with w.rng:
+        t = sample_positions(row, w.r.source.sampler)
     w.r.source.logits.append(row)
     return t
 
-def draft_group(group:DraftGroup, ws:list, ns:list)->tuple:
-    "`(drafts, failed)`: the drafts of `group`'s requests `ws` (in row order), `ns[i]` for the i-th — what each source's own `draft` would propose, in one forward per step — and `{i: exception}` for a row whose own part raised."
+
+def draft_group(group: DraftGroup, ws: list, ns: list) -> tuple:
+    """`(drafts, failed)`: the drafts of `group`'s requests `ws` (in row order), `ns[i]` for the i-th — what each
+    source's own `draft` would propose, in one forward per step — and `{i: exception}` for a row whose own part
+    raised."""
     feeds, outs, failed = [w.r.feed for w in ws], [[] for _ in ws], {}
     width = max(map(len, feeds))
-    for layer in group.cache: layer.reserve(width + max(ns))   # a sliding window's rings keep room to give back every step
+    for layer in group.cache:
+        layer.reserve(width + max(ns))  # a sliding window's rings keep room to give back every step
     x = mx.array([f + [0] * (width - len(f)) for f in feeds], mx.uint32)
-    for w in ws: w.r.source.logits = []
+    for w in ws:
+        w.r.source.logits = []
     for s in range(max(ns)):
         logits = group.model(x, cache=group.cache)
-        if s == 0:   # each row gives back the padding after its feed, and samples after the feed's last token
-            for layer in group.cache: layer.ends = [e - (width - len(f)) for e, f in zip(layer.ends, feeds)]
+        if s == 0:  # each row gives back the padding after its feed, and samples after the feed's last token
+            for layer in group.cache:
+                layer.ends = [e - (width - len(f)) for e, f in zip(layer.ends, feeds)]
             logits = mx.stack([logits[i, len(f) - 1] for i, f in enumerate(feeds)])
-        else: logits = logits[:, -1]
+        else:
+            logits = logits[:, -1]
         for i, w in enumerate(ws):
-            if s >= ns[i]: continue   # done: it reads its last draft again, and gives it back below
+            if s >= ns[i]:
+                continue  # done: it reads its last draft again, and gives it back below
             try:
-                if i in failed: raise failed[i]
-                outs[i].append(_sample_row(w, logits[i:i + 1], mx.array(feeds[i], mx.uint32) if s == 0 else outs[i][-1]))
-            except Exception as e:    # its own processors or sampler: it reads a placeholder until the group is done, then leaves
+                if i in failed:
+                    raise failed[i]
+                outs[i].append(
+                    _sample_row(w, logits[i : i + 1], mx.array(feeds[i], mx.uint32) if s == 0 else outs[i][-1])
+                )
+            except (
+                Exception
+            ) as e:  # its own processors or sampler: it reads a placeholder until the group is done, then leaves
                 failed[i] = e
                 outs[i].append(mx.zeros((1,), mx.uint32))
         x = mx.stack([o[-1] for o in outs])
         mx.async_eval(x)
-    for layer in group.cache: layer.ends = [e - (max(ns) - n) for e, n in zip(layer.ends, ns)]   # each read its feed and n-1 drafts
+    for layer in group.cache:
+        layer.ends = [e - (max(ns) - n) for e, n in zip(layer.ends, ns)]  # each read its feed and n-1 drafts
     return [mx.concatenate(o) for o in outs], failed
 
+
 @patch
-def draft(self:DraftGroup, ws:list, ns:list)->tuple:
+def draft(self: DraftGroup, ws: list, ns: list) -> tuple:
     "`draft_group` on this group: what 07e's batch calls on every kind of group."
     return draft_group(self, ws, ns)
 
-
 # %% ../../nbs/07g_batch_sources.ipynb #e133e9e1
 class HeadRows:
-    "A head source's cache while it drafts in a `HeadGroup`: its row's offset (its lockstep check reads it) and a saved context's waiting target `row`, as on its `HeadCache`."
-    def __init__(self, view:RowCache, row=None): self.view, self.row = view, row
+    """A head source's cache while it drafts in a `HeadGroup`: its row's offset (its lockstep check reads it) and a
+    saved context's waiting target `row`, as on its `HeadCache`."""
+
+    def __init__(self, view: RowCache, row=None):
+        self.view, self.row = view, row
+
     @property
-    def offset(self)->int: return self.view.offset
+    def offset(self) -> int:
+        return self.view.offset
+
 
 class HeadGroup:
-    "The KV caches of one hidden-state drafter for the requests whose `HeadSource`s draft together: one head forward per step for all of them."
+    """The KV caches of one hidden-state drafter for the requests whose `HeadSource`s draft together: one head forward
+    per step for all of them."""
+
     def __init__(self, head):
         self.head, self.slots = head, []
         self.layers = [RaggedKVCache() for _ in range(head.depth)]
         self.cache = self.layers[0]
-        self.cache.more = self.layers[1:]   # where a deeper drafter's later layers find theirs, as in a `HeadCache`
+        self.cache.more = self.layers[1:]  # where a deeper drafter's later layers find theirs, as in a `HeadCache`
 
-    def join(self, src)->tuple:
+    def join(self, src) -> tuple:
         "Move the source's `HeadCache` into a new row; it keeps a view of it. Returns `(slot, own cache)`."
         slot, own = Slot(len(self.slots)), src.cache
         views = lend([own, *own.more], self.layers, slot)
@@ -169,20 +246,24 @@ class HeadGroup:
         self.slots.append(slot)
         return slot, own
 
-    def leave(self, src, slot:Slot, own):
+    def leave(self, src, slot: Slot, own):
         "Give the source its own `HeadCache` back, holding its row (it saves or closes it as after `spec_generate`)."
         own.row = src.cache.row
         take_back([own, *own.more], self.layers, self.slots, slot)
         src.cache = own
 
-def group_of(src)->tuple:
-    "`(key, make)`: the group a source that `drafts_together` drafts in — its head's, or its draft model's — and how to make it the first time."
-    if type(src) is HeadSource: return id(src.head), lambda: HeadGroup(src.head)
+
+def group_of(src) -> tuple:
+    """`(key, make)`: the group a source that `drafts_together` drafts in — its head's, or its draft model's — and how
+    to make it the first time."""
+    if type(src) is HeadSource:
+        return id(src.head), lambda: HeadGroup(src.head)
     return id(src.model), lambda: DraftGroup(src.model)
 
 # %% ../../nbs/07g_batch_sources.ipynb #ecb2a8c0
-def _unread(ws:list, failed:dict)->list:
-    "Each row's `(rows, ids)` to read before it drafts — its feed noted, the target rows its tap kept — as its own `draft` takes them; `(None, None)` for none, or for a row whose own part raised."
+def _unread(ws: list, failed: dict) -> list:
+    """Each row's `(rows, ids)` to read before it drafts — its feed noted, the target rows its tap kept — as its own
+    `draft` takes them; `(None, None)` for none, or for a row whose own part raised."""
     out = []
     for i, w in enumerate(ws):
         src = w.r.source
@@ -194,67 +275,100 @@ def _unread(ws:list, failed:dict)->list:
             out.append((None, None))
     return out
 
-def _right_padded(rows:list, width:int)->mx.array:
+
+def _right_padded(rows: list, width: int) -> mx.array:
     "`(B, width, F)`: each row's `(m, F)` rows (None: none), then zeros."
     like = next(r for r in rows if r is not None)
-    return mx.stack([mx.zeros((width, like.shape[-1]), like.dtype) if r is None else mx.pad(r, [(0, width - r.shape[0]), (0, 0)]) for r in rows])
+    return mx.stack(
+        [
+            mx.zeros((width, like.shape[-1]), like.dtype) if r is None else mx.pad(r, [(0, width - r.shape[0]), (0, 0)])
+            for r in rows
+        ]
+    )
+
 
 @patch
-def _read(self:HeadGroup, ws:list, reads:list)->list:
-    "ONE head forward over every row's unread target rows, right-padded (each row gives its padding back); each row's newest output `(1, 1, h)`: the one it had if it read none (None: nothing read yet)."
+def _read(self: HeadGroup, ws: list, reads: list) -> list:
+    """ONE head forward over every row's unread target rows, right-padded (each row gives its padding back); each row's
+    newest output `(1, 1, h)`: the one it had if it read none (None: nothing read yet)."""
     ms = [0 if r is None else r.shape[0] for r, _ in reads]
     width = max(ms)
-    if width == 0: return [w.r.source.last for w in ws]
+    if width == 0:
+        return [w.r.source.last for w in ws]
     ids = mx.array([i + [0] * (width - m) if m else [0] * width for (_, i), m in zip(reads, ms)], mx.uint32)
     feature = self.head.fuse(_right_padded([r for r, _ in reads], width))
     x = self.head(feature, ws[0].r.source.embed(ids), mask=self.cache.make_mask(width), cache=self.cache)
-    for layer in self.layers: layer.ends = [e - (width - m) for e, m in zip(layer.ends, ms)]
-    return [x[i:i + 1, m - 1:m] if m else w.r.source.last for i, (w, m) in enumerate(zip(ws, ms))]
+    for layer in self.layers:
+        layer.ends = [e - (width - m) for e, m in zip(layer.ends, ms)]
+    return [x[i : i + 1, m - 1 : m] if m else w.r.source.last for i, (w, m) in enumerate(zip(ws, ms))]
 
 # %% ../../nbs/07g_batch_sources.ipynb #d70b7f23
-def _sample_head_row(w, logits:mx.array)->mx.array:
-    "One row's next draft from its `(1, V)` logits, on its own sampler and random stream; its source keeps both (what its own `draft` does)."
+def _sample_head_row(w, logits: mx.array) -> mx.array:
+    """One row's next draft from its `(1, V)` logits, on its own sampler and random stream; its source keeps both (what
+    its own `draft` does)."""
     src = w.r.source
-    with w.rng: y = sample_positions(logits, src.sampler)
+    with w.rng:
+        y = sample_positions(logits, src.sampler)
     src.out.append(y)
     src.logits.append(logits)
     return y
 
+
 @patch
-def _lockstep(self:HeadGroup, ws:list, newest:list, failed:dict):
+def _lockstep(self: HeadGroup, ws: list, newest: list, failed: dict):
     "Each source takes its newest output and checks its lockstep with the target, as after its own read."
     for i, (w, a) in enumerate(zip(ws, newest)):
         w.r.source.last, w.r.source.out, w.r.source.logits = a, [], []
         try:
-            if i not in failed: w.r.source.check_lockstep()
-        except Exception as e: failed[i] = e
+            if i not in failed:
+                w.r.source.check_lockstep()
+        except Exception as e:
+            failed[i] = e
+
 
 @patch
-def _steps(self:HeadGroup, ws:list, ns:list, newest:list, failed:dict):
-    "Draft `ns[i]` tokens for the i-th row: the first from its newest output, each further one after ONE head forward for all rows on their last outputs and drafts."
-    hold = mx.zeros_like(next(a for a, n in zip(newest, ns) if n))   # a row that drafts nothing steps on zeros (given back with the rest)
-    a, y, src = mx.concatenate([x if x is not None else hold for x in newest]), mx.zeros((len(ws), 1), mx.uint32), ws[0].r.source
+def _steps(self: HeadGroup, ws: list, ns: list, newest: list, failed: dict):
+    """Draft `ns[i]` tokens for the i-th row: the first from its newest output, each further one after ONE head forward
+    for all rows on their last outputs and drafts."""
+    hold = mx.zeros_like(
+        next(a for a, n in zip(newest, ns) if n)
+    )  # a row that drafts nothing steps on zeros (given back with the rest)
+    a, y, src = (
+        mx.concatenate([x if x is not None else hold for x in newest]),
+        mx.zeros((len(ws), 1), mx.uint32),
+        ws[0].r.source,
+    )
     for s in range(max(ns)):
-        if s: a = self.head(a, src.embed(y), mask=self.cache.make_mask(1), cache=self.cache)   # a speculative entry per row
+        if s:
+            a = self.head(
+                a, src.embed(y), mask=self.cache.make_mask(1), cache=self.cache
+            )  # a speculative entry per row
         logits = src.readout(a[:, -1])
         ys = []
         for i, w in enumerate(ws):
-            try: ys.append(_sample_head_row(w, logits[i:i + 1]) if s < ns[i] else y[i])   # done: it steps on its last draft
-            except Exception as e:   # its own sampler: it steps on its last token until the group is done, then leaves
+            try:
+                ys.append(
+                    _sample_head_row(w, logits[i : i + 1]) if s < ns[i] else y[i]
+                )  # done: it steps on its last draft
+            except Exception as e:  # its own sampler: it steps on its last token until the group is done, then leaves
                 failed[i], ns[i] = e, s
                 ys.append(y[i])
         y = mx.stack(ys)
         mx.async_eval(y)
 
+
 @patch
-def draft(self:HeadGroup, ws:list, ns:list)->tuple:
-    "`(drafts, failed)`: what each source's own `draft` would propose — `ns[i]` tokens for the i-th of `ws` (in row order), none before it has read a row — in one head forward per step, and `{i: exception}` for a row whose own part raised."
+def draft(self: HeadGroup, ws: list, ns: list) -> tuple:
+    """`(drafts, failed)`: what each source's own `draft` would propose — `ns[i]` tokens for the i-th of `ws` (in row
+    order), none before it has read a row — in one head forward per step, and `{i: exception}` for a row whose own
+    part raised."""
     failed = {}
     newest = self._read(ws, _unread(ws, failed))
     self._lockstep(ws, newest, failed)
     ns = [0 if i in failed or a is None else n for i, (a, n) in enumerate(zip(newest, ns))]
     read = list(self.cache.ends)
-    if max(ns, default=0): self._steps(ws, ns, newest, failed)
-    for layer in self.layers: layer.ends = list(read)   # speculative entries out: the kept rows come next round
+    if max(ns, default=0):
+        self._steps(ws, ns, newest, failed)
+    for layer in self.layers:
+        layer.ends = list(read)  # speculative entries out: the kept rows come next round
     return [mx.concatenate(w.r.source.out) if w.r.source.out else [] for w in ws], failed
-

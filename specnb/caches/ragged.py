@@ -17,55 +17,78 @@ from .window import SpecRotatingKVCache
 
 # %% ../../nbs/04c_ragged.ipynb #dd043ed9
 class RaggedKVCache(_BaseCache):
-    "One layer's keys and values for a batch of sequences of different lengths: row i holds positions `0..ends[i]-1`, the rest is masked."
-    step = 256   # slots allocated at a time, as in mlx-lm's caches
+    """One layer's keys and values for a batch of sequences of different lengths: row i holds positions `0..ends[i]-1`,
+    the rest is masked."""
+
+    step = 256  # slots allocated at a time, as in mlx-lm's caches
 
     def __init__(self):
         self.keys = self.values = None
-        self.ends = []   # tokens each row holds (host ints: the rows move on their own)
+        self.ends = []  # tokens each row holds (host ints: the rows move on their own)
 
     @property
-    def offset(self)->mx.array: return mx.array(self.ends)   # each row's next position, for RoPE
+    def offset(self) -> mx.array:
+        return mx.array(self.ends)  # each row's next position, for RoPE
+
     @property
-    def state(self): return self.keys, self.values
-    def size(self)->int: return max(self.ends, default=0)
-    def empty(self)->bool: return self.keys is None
-    def reserve(self, n:int): "Room for `n` more tokens written and given back: full attention always has it (a ring widens, below)."
+    def state(self):
+        return self.keys, self.values
+
+    def size(self) -> int:
+        return max(self.ends, default=0)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def reserve(self, n: int):
+        "Room for `n` more tokens written and given back: full attention always has it (a ring widens, below)."
+
     @property
-    def nbytes(self)->int: return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
-    def __repr__(self): return f"RaggedKVCache(ends={self.ends})"
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def __repr__(self):
+        return f"RaggedKVCache(ends={self.ends})"
 
 # %% ../../nbs/04c_ragged.ipynb #cfdb1bcc
-def _empty(x:mx.array, b:int)->mx.array:
+def _empty(x: mx.array, b: int) -> mx.array:
     "`b` rows of no positions, shaped like `x` (B, H, S, D)."
     return mx.zeros((b, x.shape[1], 0, x.shape[3]), x.dtype)
 
-def _pad_to(x:mx.array, n:int)->mx.array:
+
+def _pad_to(x: mx.array, n: int) -> mx.array:
     "`x` (B, H, S, D) with zeros appended along S up to `n` slots."
     return x if x.shape[2] >= n else mx.pad(x, [(0, 0), (0, 0), (0, n - x.shape[2]), (0, 0)])
 
+
 @patch
-def update_and_fetch(self:RaggedKVCache, keys, values)->tuple:
-    "Write `N` new positions after each row's own end; return every row's keys and values up to the longest (the mask hides the rest)."
+def update_and_fetch(self: RaggedKVCache, keys, values) -> tuple:
+    """Write `N` new positions after each row's own end; return every row's keys and values up to the longest (the mask
+    hides the rest)."""
     N, top = keys.shape[2], self.size() + keys.shape[2]
-    if self.keys is None: self.keys, self.values = _empty(keys, keys.shape[0]), _empty(values, keys.shape[0])
+    if self.keys is None:
+        self.keys, self.values = _empty(keys, keys.shape[0]), _empty(values, keys.shape[0])
     if self.keys.shape[2] < top:
         size = -(-top // self.step) * self.step
         self.keys, self.values = _pad_to(self.keys, size), _pad_to(self.values, size)
-    if len(set(self.ends)) == 1:   # rows level (one row alone, most often): one write, as mlx-lm's KVCache makes
+    if len(set(self.ends)) == 1:  # rows level (one row alone, most often): one write, as mlx-lm's KVCache makes
         e = self.ends[0]
-        self.keys[:, :, e:e + N, :], self.values[:, :, e:e + N, :] = keys, values
+        self.keys[:, :, e : e + N, :], self.values[:, :, e : e + N, :] = keys, values
     else:
         for i, e in enumerate(self.ends):
-            self.keys[i:i + 1, :, e:e + N, :] = keys[i:i + 1]
-            self.values[i:i + 1, :, e:e + N, :] = values[i:i + 1]
+            self.keys[i : i + 1, :, e : e + N, :] = keys[i : i + 1]
+            self.values[i : i + 1, :, e : e + N, :] = values[i : i + 1]
     self.ends = [e + N for e in self.ends]
     return self.keys[..., :top, :], self.values[..., :top, :]
 
+
 @patch
-def make_mask(self:RaggedKVCache, N:int, return_array:bool=False, window_size=None)->mx.array:
-    "`(B, 1, N, S)`: query j of row i sees the keys at positions `0..ends[i]+j` of its own row (with a `window_size` W, the last W of them)."
-    if window_size is None and not return_array and len(set(self.ends)) == 1:   # rows level: mlx-lm's own causal mask (its fast kernel)
+def make_mask(self: RaggedKVCache, N: int, return_array: bool = False, window_size=None) -> mx.array:
+    """`(B, 1, N, S)`: query j of row i sees the keys at positions `0..ends[i]+j` of its own row (with a `window_size`
+    W, the last W of them)."""
+    if (
+        window_size is None and not return_array and len(set(self.ends)) == 1
+    ):  # rows level: mlx-lm's own causal mask (its fast kernel)
         return "causal" if N > 1 else None
     q = mx.array(self.ends)[:, None, None, None] + mx.arange(N)[:, None]
     k = mx.arange(self.size() + N)
@@ -73,10 +96,10 @@ def make_mask(self:RaggedKVCache, N:int, return_array:bool=False, window_size=No
 
 # %% ../../nbs/04c_ragged.ipynb #9a45f204
 @patch
-def join(self:RaggedKVCache, c:KVCache)->int:
+def join(self: RaggedKVCache, c: KVCache) -> int:
     "Add a row holding what the single-sequence cache `c` holds; returns its index."
-    if c.offset:   # an empty row (a one-token prompt) is nothing but its end
-        k, v = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
+    if c.offset:  # an empty row (a one-token prompt) is nothing but its end
+        k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
         ok = _empty(k, len(self.ends)) if self.keys is None else self.keys
         ov = _empty(v, len(self.ends)) if self.values is None else self.values
         n = max(ok.shape[2], k.shape[2])
@@ -88,151 +111,205 @@ def join(self:RaggedKVCache, c:KVCache)->int:
     self.ends.append(c.offset)
     return len(self.ends) - 1
 
+
 @patch
-def row(self:RaggedKVCache, i:int)->tuple:
-    "Row `i`'s keys and values, `(1, H, ends[i], D)`: what a single-sequence cache holding the same tokens holds, copied out."
-    # a copy, evaluated now: a view, or a copy not yet computed, would keep the whole batch's buffer alive in a prompt cache
-    # that counts one row's bytes
-    k, v = mx.contiguous(self.keys[i:i + 1, :, :self.ends[i], :]), mx.contiguous(self.values[i:i + 1, :, :self.ends[i], :])
+def row(self: RaggedKVCache, i: int) -> tuple:
+    """Row `i`'s keys and values, `(1, H, ends[i], D)`: what a single-sequence cache holding the same tokens holds,
+    copied out."""
+    # a copy, evaluated now: a view, or a copy not yet computed, would keep the whole batch's buffer alive in a prompt
+    # cache that counts one row's bytes
+    k, v = (
+        mx.contiguous(self.keys[i : i + 1, :, : self.ends[i], :]),
+        mx.contiguous(self.values[i : i + 1, :, : self.ends[i], :]),
+    )
     mx.eval(k, v)
     return k, v
 
+
 @patch
-def hand_back(self:RaggedKVCache, i:int, c:KVCache):
+def hand_back(self: RaggedKVCache, i: int, c: KVCache):
     "Make the single-sequence cache `c` hold what row `i` holds."
     c.keys, c.values = self.row(i) if self.ends[i] else (None, None)
     c.offset = self.ends[i]
 
+
 @patch
-def drop(self:RaggedKVCache, i:int):
+def drop(self: RaggedKVCache, i: int):
     "Remove row `i`; the rows after it move up one."
     keep = [j for j in range(len(self.ends)) if j != i]
     self.ends.pop(i)
-    if not keep: self.keys = self.values = None
-    elif self.keys is not None:   # rows that joined empty (a one-token prompt holds nothing yet) have written nothing
+    if not keep:
+        self.keys = self.values = None
+    elif self.keys is not None:  # rows that joined empty (a one-token prompt holds nothing yet) have written nothing
         idx = mx.array(keep)
         self.keys, self.values = self.keys[idx], self.values[idx]
 
 # %% ../../nbs/04c_ragged.ipynb #3a833d0c
 @patch
-def trimmable(self:RaggedKVCache, i:int)->int:
+def trimmable(self: RaggedKVCache, i: int) -> int:
     "How many tokens row `i` can give back now: all it holds."
     return self.ends[i]
 
+
 class RowCache:
-    "One request's view of one layer of the batch's cache: the offset and `trim` the executor's rollback reads and calls."
-    def __init__(self, layer:RaggedKVCache, slot): self.layer, self.slot = layer, slot   # slot.index: the request's row now
+    """One request's view of one layer of the batch's cache: the offset and `trim` the executor's rollback reads and
+    calls."""
+
+    def __init__(self, layer: RaggedKVCache, slot):
+        self.layer, self.slot = layer, slot  # slot.index: the request's row now
+
     @property
-    def offset(self)->int: return self.layer.ends[self.slot.index]
-    def is_trimmable(self)->bool: return True
-    def trimmable(self)->int: return self.layer.trimmable(self.slot.index)
-    def trim(self, n:int)->int:
+    def offset(self) -> int:
+        return self.layer.ends[self.slot.index]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trimmable(self) -> int:
+        return self.layer.trimmable(self.slot.index)
+
+    def trim(self, n: int) -> int:
         "Give back the row's last `n` tokens (at most `trimmable()`); returns how many."
         n = max(0, min(n, self.trimmable()))
         self.layer.ends[self.slot.index] -= n
         return n
-    def __repr__(self): return f"RowCache(row={self.slot.index}, offset={self.offset})"
+
+    def __repr__(self):
+        return f"RowCache(row={self.slot.index}, offset={self.offset})"
 
 # %% ../../nbs/04c_ragged.ipynb #f818ec72
 @dataclass
 class Slot:
     "A request's row in a batch of caches: rows move up as others leave."
+
     index: int
 
-def _view(layer, slot:Slot):
-    "A request's view of one layer: a `RowCache`; of a layer of several caches (a `CacheList`, 04e), a `CacheList` of theirs."
+
+def _view(layer, slot: Slot):
+    """A request's view of one layer: a `RowCache`; of a layer of several caches (a `CacheList`, 04e), a `CacheList` of
+    theirs."""
     return CacheList(*(RowCache(c, slot) for c in layer.caches)) if hasattr(layer, "caches") else RowCache(layer, slot)
 
-def lend(own:list, layers:list, slot:Slot)->list:
-    "Move what the single-sequence caches `own` hold into a new row of `layers`; returns the row's views, one per layer."
+
+def lend(own: list, layers: list, slot: Slot) -> list:
+    """Move what the single-sequence caches `own` hold into a new row of `layers`; returns the row's views, one per
+    layer."""
     for layer, c in zip(layers, own):
         layer.join(c)
-        for x in leaves([c]): x.keys = x.values = None   # the batch holds them now
+        for x in leaves([c]):
+            x.keys = x.values = None  # the batch holds them now
     return [_view(layer, slot) for layer in layers]
 
-def take_back(own:list, layers:list, slots:list, slot:Slot):
-    "Give row `slot` of `layers` back to the single-sequence caches `own`; it leaves `slots`, and the rows after it move up."
+
+def take_back(own: list, layers: list, slots: list, slot: Slot):
+    """Give row `slot` of `layers` back to the single-sequence caches `own`; it leaves `slots`, and the rows after it
+    move up."""
     for c, layer in zip(own, layers):
         layer.hand_back(slot.index, c)
         layer.drop(slot.index)
     slots.remove(slot)
-    for j, s in enumerate(slots): s.index = j
+    for j, s in enumerate(slots):
+        s.index = j
 
 # %% ../../nbs/04c_ragged.ipynb #738248e5
-def _runs(capacity:int, a:int, m:int)->list:
-    "`(slot, length, i)` runs of a ring's slots holding positions `a..a+m-1` (m ≤ capacity): position p lives in slot p % capacity."
+def _runs(capacity: int, a: int, m: int) -> list:
+    """`(slot, length, i)` runs of a ring's slots holding positions `a..a+m-1` (m ≤ capacity): position p lives in slot
+    p % capacity."""
     s = a % capacity
     first = min(m, capacity - s)
     return [(s, first, 0)] + ([(0, m - first, first)] if first < m else [])
 
-class RaggedRotatingKVCache(RaggedKVCache):
-    "One sliding-window layer for a batch of sequences of different lengths: each row a ring at its own length, position p in slot `p % capacity`."
-    def __init__(self, window:int): # tokens each query attends to, itself included: the layer's sliding window
-        super().__init__()
-        self.window = self.capacity = window   # the capacity grows to window-1 + the widest window written (`reserve`)
-        self.los = []   # the oldest position each row is sure to hold (0 until its ring reused a slot)
 
-    def size(self)->int: return min(max(self.ends, default=0), self.window)
-    def __repr__(self): return f"RaggedRotatingKVCache(window={self.window}, capacity={self.capacity}, ends={self.ends})"
+class RaggedRotatingKVCache(RaggedKVCache):
+    """One sliding-window layer for a batch of sequences of different lengths: each row a ring at its own length,
+    position p in slot `p % capacity`."""
+
+    def __init__(self, window: int):  # tokens each query attends to, itself included: the layer's sliding window
+        super().__init__()
+        self.window = self.capacity = window  # the capacity grows to window-1 + the widest window written (`reserve`)
+        self.los = []  # the oldest position each row is sure to hold (0 until its ring reused a slot)
+
+    def size(self) -> int:
+        return min(max(self.ends, default=0), self.window)
+
+    def __repr__(self):
+        return f"RaggedRotatingKVCache(window={self.window}, capacity={self.capacity}, ends={self.ends})"
 
 # %% ../../nbs/04c_ragged.ipynb #f46c32cd
 @patch
-def _grow(self:RaggedRotatingKVCache, k:mx.array, v:mx.array, n:int):
-    "Slots for positions `0..n-1` in every row (all `capacity` once a row wraps), `step` at a time; `k`, `v` give their shapes."
-    if self.keys is None: self.keys, self.values = _empty(k, len(self.ends)), _empty(v, len(self.ends))
+def _grow(self: RaggedRotatingKVCache, k: mx.array, v: mx.array, n: int):
+    """Slots for positions `0..n-1` in every row (all `capacity` once a row wraps), `step` at a time; `k`, `v` give
+    their shapes."""
+    if self.keys is None:
+        self.keys, self.values = _empty(k, len(self.ends)), _empty(v, len(self.ends))
     if self.keys.shape[2] < min(n, self.capacity):
         size = min(self.capacity, -(-n // self.step) * self.step)
         self.keys, self.values = _pad_to(self.keys, size), _pad_to(self.values, size)
 
+
 @patch
-def _write(self:RaggedRotatingKVCache, i:int, k:mx.array, v:mx.array, a:int):
+def _write(self: RaggedRotatingKVCache, i: int, k: mx.array, v: mx.array, a: int):
     "Store row `i`'s positions `a..a+m-1` (`k`, `v`: `(1, H, m, D)`, m ≤ capacity) in their slots."
     for s, n, j in _runs(self.capacity, a, k.shape[2]):
-        self.keys[i:i + 1, :, s:s + n, :] = k[..., j:j + n, :]
-        self.values[i:i + 1, :, s:s + n, :] = v[..., j:j + n, :]
+        self.keys[i : i + 1, :, s : s + n, :] = k[..., j : j + n, :]
+        self.values[i : i + 1, :, s : s + n, :] = v[..., j : j + n, :]
+
 
 @patch
-def _read(self:RaggedRotatingKVCache, i:int, a:int, m:int)->tuple:
+def _read(self: RaggedRotatingKVCache, i: int, a: int, m: int) -> tuple:
     "Row `i`'s keys and values of positions `a..a+m-1`, in order, `(1, H, m, D)`."
     runs = _runs(self.capacity, a, m)
-    k = mx.concatenate([self.keys[i:i + 1, :, s:s + n, :] for s, n, _ in runs], axis=2)
-    v = mx.concatenate([self.values[i:i + 1, :, s:s + n, :] for s, n, _ in runs], axis=2)
+    k = mx.concatenate([self.keys[i : i + 1, :, s : s + n, :] for s, n, _ in runs], axis=2)
+    v = mx.concatenate([self.values[i : i + 1, :, s : s + n, :] for s, n, _ in runs], axis=2)
     return k, v
 
-@patch
-def reserve(self:RaggedRotatingKVCache, n:int):
-    "Make room for a window of `n` tokens written in place and given back: widen every ring to `window-1+n` slots, each row's positions moved to their new slots."
-    if n <= self.capacity - self.window + 1: return
-    held = [] if self.keys is None else [self._read(i, lo, e - lo) if e > lo else None for i, (lo, e) in enumerate(zip(self.los, self.ends))]
-    k, v = self.keys, self.values
-    self.capacity, self.keys, self.values = self.window - 1 + n, None, None
-    if k is None: return
-    self._grow(k, v, max(self.ends, default=0))
-    for i, kv in enumerate(held):
-        if kv is not None: self._write(i, *kv, self.los[i])
 
 @patch
-def update_and_fetch(self:RaggedRotatingKVCache, keys, values)->tuple:
-    "Write `N` new positions into each row's ring after its own end; return the slots attention reads (the mask says which each query sees)."
+def reserve(self: RaggedRotatingKVCache, n: int):
+    """Make room for a window of `n` tokens written in place and given back: widen every ring to `window-1+n` slots,
+    each row's positions moved to their new slots."""
+    if n <= self.capacity - self.window + 1:
+        return
+    held = (
+        []
+        if self.keys is None
+        else [self._read(i, lo, e - lo) if e > lo else None for i, (lo, e) in enumerate(zip(self.los, self.ends))]
+    )
+    k, v = self.keys, self.values
+    self.capacity, self.keys, self.values = self.window - 1 + n, None, None
+    if k is None:
+        return
+    self._grow(k, v, max(self.ends, default=0))
+    for i, kv in enumerate(held):
+        if kv is not None:
+            self._write(i, *kv, self.los[i])
+
+
+@patch
+def update_and_fetch(self: RaggedRotatingKVCache, keys, values) -> tuple:
+    """Write `N` new positions into each row's ring after its own end; return the slots attention reads (the mask says
+    which each query sees)."""
     N = keys.shape[2]
     self.reserve(N)
     top = max(self.ends) + N
     self._grow(keys, values, top)
-    for i, e in enumerate(self.ends): self._write(i, keys[i:i + 1], values[i:i + 1], e)
+    for i, e in enumerate(self.ends):
+        self._write(i, keys[i : i + 1], values[i : i + 1], e)
     self.ends = [e + N for e in self.ends]
     self.los = [max(lo, e - self.capacity) for lo, e in zip(self.los, self.ends)]
-    return self.keys[..., :min(self.capacity, top), :], self.values[..., :min(self.capacity, top), :]
+    return self.keys[..., : min(self.capacity, top), :], self.values[..., : min(self.capacity, top), :]
 
 # %% ../../nbs/04c_ragged.ipynb #e38a5df8
 @patch
-def positions(self:RaggedRotatingKVCache, N:int)->mx.array:
+def positions(self: RaggedRotatingKVCache, N: int) -> mx.array:
     "`(B, S)`: the position each slot of each row holds once `N` new tokens are written (negative: never written)."
     last = mx.array(self.ends)[:, None] + N - 1
     used = min(self.capacity, max(self.ends, default=0) + N)
     return last - ((last - mx.arange(used)) % self.capacity)
 
+
 @patch
-def make_mask(self:RaggedRotatingKVCache, N:int, return_array:bool=False, window_size=None)->mx.array:
+def make_mask(self: RaggedRotatingKVCache, N: int, return_array: bool = False, window_size=None) -> mx.array:
     "`(B, 1, N, S)`: query j of row i sees exactly its own window, positions `ends[i]+j-W+1..ends[i]+j` of its own row."
     # a model's window larger than the ring's (plamo3 passes window+1) is cut to it, as 04a's ring does alone
     W = self.window if window_size is None else min(window_size, self.window)
@@ -243,23 +320,33 @@ def make_mask(self:RaggedRotatingKVCache, N:int, return_array:bool=False, window
 
 # %% ../../nbs/04c_ragged.ipynb #78ec56f3
 @patch
-def trimmable(self:RaggedRotatingKVCache, i:int)->int:
-    "How many tokens row `i` can give back now: as many as keep the `window-1` positions before its new end in its ring."
+def trimmable(self: RaggedRotatingKVCache, i: int) -> int:
+    """How many tokens row `i` can give back now: as many as keep the `window-1` positions before its new end in its
+    ring."""
     return self.ends[i] - (self.los[i] + self.window - 1 if self.los[i] else 0)
 
-def _newest(c, m:int)->tuple:
-    "`(a, keys, values)`: the newest positions `a..offset-1` (at most `m`) the single-sequence ring `c` holds, in order."
-    if c.keys is None or not c.offset: return c.offset, None, None
-    if isinstance(c, SpecRotatingKVCache): k, v = c.kept(m)
-    else: k, v = c._temporal_order(c.keys)[..., -m:, :], c._temporal_order(c.values)[..., -m:, :]
+
+def _newest(c, m: int) -> tuple:
+    """`(a, keys, values)`: the newest positions `a..offset-1` (at most `m`) the single-sequence ring `c` holds, in
+    order."""
+    if c.keys is None or not c.offset:
+        return c.offset, None, None
+    if isinstance(c, SpecRotatingKVCache):
+        k, v = c.kept(m)
+    else:
+        k, v = c._temporal_order(c.keys)[..., -m:, :], c._temporal_order(c.values)[..., -m:, :]
     return c.offset - k.shape[2], k, v
 
+
 @patch
-def join(self:RaggedRotatingKVCache, c)->int:
-    "Add a row holding what the single-sequence ring `c` holds (a `SpecRotatingKVCache`, or mlx-lm's `RotatingKVCache`), each position in its slot; returns its index."
+def join(self: RaggedRotatingKVCache, c) -> int:
+    """Add a row holding what the single-sequence ring `c` holds (a `SpecRotatingKVCache`, or mlx-lm's
+    `RotatingKVCache`), each position in its slot; returns its index."""
     w = c.window if isinstance(c, SpecRotatingKVCache) else getattr(c, "max_size", None)
     if w != self.window or getattr(c, "keep", 0):
-        raise ValueError(f"{c!r} is not a ring of this layer's window {self.window} without kept sink tokens: it cannot join")
+        raise ValueError(
+            f"{c!r} is not a ring of this layer's window {self.window} without kept sink tokens: it cannot join"
+        )
     a, k, v = _newest(c, self.capacity)
     if self.keys is not None:
         self.keys = mx.concatenate([self.keys, mx.zeros_like(self.keys[:1])])
@@ -271,57 +358,76 @@ def join(self:RaggedRotatingKVCache, c)->int:
         self._write(len(self.ends) - 1, k, v, a)
     return len(self.ends) - 1
 
+
 @patch
-def hand_back(self:RaggedRotatingKVCache, i:int, c):
+def hand_back(self: RaggedRotatingKVCache, i: int, c):
     "Make the single-sequence ring `c` hold row `i`: its newest positions, as many as `c` keeps, in `c`'s own layout."
     e = self.ends[i]
     a = max(self.los[i], e - (c.capacity if isinstance(c, SpecRotatingKVCache) else c.max_size))
     k, v = self._read(i, a, e - a) if e > a else (None, None)
-    if k is not None:   # a copy, evaluated now: a view would keep the whole batch's buffer alive (see `row`)
+    if k is not None:  # a copy, evaluated now: a view would keep the whole batch's buffer alive (see `row`)
         k, v = mx.contiguous(k), mx.contiguous(v)
         mx.eval(k, v)
     if isinstance(c, SpecRotatingKVCache):
         c.keys = c.values = None
         c._used = 0
-        if k is not None: c._write(k, v, a)
+        if k is not None:
+            c._write(k, v, a)
         c.offset, c._lo = e, a
-    else: c.keys, c.values, c.offset, c._idx = k, v, e, e - a   # mlx-lm's ring in temporal order: its last max_size positions
+    else:
+        c.keys, c.values, c.offset, c._idx = (
+            k,
+            v,
+            e,
+            e - a,
+        )  # mlx-lm's ring in temporal order: its last max_size positions
+
 
 @patch
-def drop(self:RaggedRotatingKVCache, i:int):
+def drop(self: RaggedRotatingKVCache, i: int):
     "Remove row `i`; the rows after it move up one."
     self.los.pop(i)
     RaggedKVCache.drop(self, i)
 
 # %% ../../nbs/04c_ragged.ipynb #e2f6fe12
-def ragged_cache(model)->list:
-    "The batch's caches for `model`: a `RaggedRotatingKVCache` for each sliding-window layer, a `RaggedKVCache` for each other."
-    return [RaggedRotatingKVCache(c.max_size) if isinstance(c, RotatingKVCache) else RaggedKVCache() for c in make_prompt_cache(model)]
+def ragged_cache(model) -> list:
+    """The batch's caches for `model`: a `RaggedRotatingKVCache` for each sliding-window layer, a `RaggedKVCache` for
+    each other."""
+    return [
+        RaggedRotatingKVCache(c.max_size) if isinstance(c, RotatingKVCache) else RaggedKVCache()
+        for c in make_prompt_cache(model)
+    ]
 
 # %% ../../nbs/04c_ragged.ipynb #9864d7d9
 @patch
-def write_row(self:RaggedKVCache, i:int, keys:mx.array, values:mx.array):
+def write_row(self: RaggedKVCache, i: int, keys: mx.array, values: mx.array):
     "Write `N` new positions at row `i`'s end, and only there (one request drafting on its own row)."
     e, N = self.ends[i], keys.shape[2]
-    if self.keys is None: self.keys, self.values = _empty(keys, len(self.ends)), _empty(values, len(self.ends))
+    if self.keys is None:
+        self.keys, self.values = _empty(keys, len(self.ends)), _empty(values, len(self.ends))
     if self.keys.shape[2] < e + N:
         size = -(-(e + N) // self.step) * self.step
         self.keys, self.values = _pad_to(self.keys, size), _pad_to(self.values, size)
-    self.keys[i:i + 1, :, e:e + N, :] = keys
-    self.values[i:i + 1, :, e:e + N, :] = values
+    self.keys[i : i + 1, :, e : e + N, :] = keys
+    self.values[i : i + 1, :, e : e + N, :] = values
     self.ends[i] = e + N
 
+
 @patch
-def read_row(self:RaggedKVCache, i:int, a:int, m:int)->tuple:
+def read_row(self: RaggedKVCache, i: int, a: int, m: int) -> tuple:
     "Row `i`'s keys and values of positions `a..a+m-1`, in order."
-    return self.keys[i:i + 1, :, a:a + m, :], self.values[i:i + 1, :, a:a + m, :]
+    return self.keys[i : i + 1, :, a : a + m, :], self.values[i : i + 1, :, a : a + m, :]
+
 
 @patch
-def oldest(self:RaggedKVCache, i:int)->int: return 0   # full attention holds every position
+def oldest(self: RaggedKVCache, i: int) -> int:
+    return 0  # full attention holds every position
+
 
 @patch
-def write_row(self:RaggedRotatingKVCache, i:int, keys:mx.array, values:mx.array):
-    "Write `N` new positions into row `i`'s ring at its end (the ring must already keep room to give them back: `reserve`)."
+def write_row(self: RaggedRotatingKVCache, i: int, keys: mx.array, values: mx.array):
+    """Write `N` new positions into row `i`'s ring at its end (the ring must already keep room to give them back:
+    `reserve`)."""
     e, N = self.ends[i], keys.shape[2]
     self.reserve(N)
     self._grow(keys, values, e + N)
@@ -329,38 +435,50 @@ def write_row(self:RaggedRotatingKVCache, i:int, keys:mx.array, values:mx.array)
     self.ends[i] = e + N
     self.los[i] = max(self.los[i], e + N - self.capacity)
 
-@patch
-def read_row(self:RaggedRotatingKVCache, i:int, a:int, m:int)->tuple: return self._read(i, a, m)
 
 @patch
-def oldest(self:RaggedRotatingKVCache, i:int)->int: return self.los[i]   # the oldest position row `i` is sure to hold
+def read_row(self: RaggedRotatingKVCache, i: int, a: int, m: int) -> tuple:
+    return self._read(i, a, m)
+
 
 @patch
-def _first(self:RowCache)->int:
+def oldest(self: RaggedRotatingKVCache, i: int) -> int:
+    return self.los[i]  # the oldest position row `i` is sure to hold
+
+
+@patch
+def _first(self: RowCache) -> int:
     "The oldest position a new query of this row sees: 0 on full attention, the start of its window on a ring."
     w = getattr(self.layer, "window", None)
     return 0 if w is None else max(0, self.offset - w + 1)
 
+
 @patch
-def update_and_fetch(self:RowCache, keys:mx.array, values:mx.array)->tuple:
-    "Write `N` new positions at this row's end; return the positions its queries see, in order: a single-sequence cache's answer."
+def update_and_fetch(self: RowCache, keys: mx.array, values: mx.array) -> tuple:
+    """Write `N` new positions at this row's end; return the positions its queries see, in order: a single-sequence
+    cache's answer."""
     a, e = self._first(), self.offset
     self.layer.write_row(self.slot.index, keys, values)
     return self.layer.read_row(self.slot.index, a, e + keys.shape[2] - a)
 
+
 @patch
-def make_mask(self:RowCache, N:int, return_array:bool=False, window_size=None):
-    "Each of `N` new queries sees its own window among the keys `update_and_fetch` returns (None, as mlx-lm's caches say, when one query sees them all)."
+def make_mask(self: RowCache, N: int, return_array: bool = False, window_size=None):
+    """Each of `N` new queries sees its own window among the keys `update_and_fetch` returns (None, as mlx-lm's caches
+    say, when one query sees them all)."""
     w = getattr(self.layer, "window", None)
     W = w if window_size is None else min(window_size, w or window_size)
     a, e = self._first(), self.offset
-    if N == 1 and not return_array and (W is None or e - a < W): return None
+    if N == 1 and not return_array and (W is None or e - a < W):
+        return None
     q, p = e + mx.arange(N)[:, None], a + mx.arange(e + N - a)
     return (p <= q) if W is None else (p <= q) & (p > q - W)
 
+
 @patch
-def kept(self:RowCache, newest:int|None=None)->tuple:
-    "The keys and values of the newest `newest` positions this row holds for sure (all it holds: None), in order — what a KV-borrowing drafter reads."
+def kept(self: RowCache, newest: int | None = None) -> tuple:
+    """The keys and values of the newest `newest` positions this row holds for sure (all it holds: None), in order —
+    what a KV-borrowing drafter reads."""
     e = self.offset
     a = max(self.layer.oldest(self.slot.index), 0 if newest is None else e - newest)
     return self.layer.read_row(self.slot.index, a, e - a)

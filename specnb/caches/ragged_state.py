@@ -18,74 +18,122 @@ from .ragged import RaggedKVCache, RaggedRotatingKVCache
 
 # %% ../../nbs/04e_ragged_state.ipynb #d89faeb3
 class RaggedStateCache(RecurrentCache):
-    "One recurrent layer's conv and SSM state for a batch of sequences: row i after `ends[i]` tokens, each row rolled back on its own."
-    def __init__(self,
-                 size:int,              # state arrays, as `ArraysCache(size)`: 2 for conv + recurrent state
-                 history:bool=False,    # keep earlier windows too, so a row can be trimmed back across windows (a draft model's rows)
-                ):
+    """One recurrent layer's conv and SSM state for a batch of sequences: row i after `ends[i]` tokens, each row rolled
+    back on its own."""
+
+    def __init__(
+        self,
+        size: int,  # state arrays, as `ArraysCache(size)`: 2 for conv + recurrent state
+        # keep earlier windows too, so a row can be trimmed back across windows (a draft model's rows)
+        history: bool = False,
+    ):
         ArraysCache.__init__(self, size)
-        self.ends, self.starts = [], []   # tokens each row holds; where its last window began (it trims back that far at most)
-        self.before = self.window = None  # every row's state before the last window, and after each of its positions (row i, position j: i*S+j)
+        self.ends, self.starts = (
+            [],
+            [],
+        )  # tokens each row holds; where its last window began (it trims back that far at most)
+        self.before = self.window = (
+            None  # every row's state before the last window, and after each of its positions (row i, position j: i*S+j)
+        )
         self.S, self.lost, self._depth, self._captured = 0, False, 0, False
-        self.history, self.past = history, []   # with `history`: this round's earlier windows `(starts, before, window, S)`, oldest first
+        self.history, self.past = (
+            history,
+            [],
+        )  # with `history`: this round's earlier windows `(starts, before, window, S)`, oldest first
 
     @property
-    def offset(self)->mx.array: return mx.array(self.ends)
-    def size(self)->int: return max(self.ends, default=0)
-    def empty(self)->bool: return self.window is None and all(a is None for a in self.cache)
-    def reserve(self, n:int):
-        "A round begins (a batch reserves before each): a window keeps every position's state, so nothing to widen; with `history`, earlier rounds are let go."
-        if self.history: self._settle()
-    def trimmable(self, i:int)->int: return self.ends[i] - (self.past[0][0] if self.past else self.starts)[i]
-    def __setitem__(self, idx, value): self.cache[idx] = value   # only its watched mixers write it, inside `capture_window`
+    def offset(self) -> mx.array:
+        return mx.array(self.ends)
+
+    def size(self) -> int:
+        return max(self.ends, default=0)
+
+    def empty(self) -> bool:
+        return self.window is None and all(a is None for a in self.cache)
+
+    def reserve(self, n: int):
+        """A round begins (a batch reserves before each): a window keeps every position's state, so nothing to widen;
+        with `history`, earlier rounds are let go."""
+        if self.history:
+            self._settle()
+
+    def trimmable(self, i: int) -> int:
+        return self.ends[i] - (self.past[0][0] if self.past else self.starts)[i]
+
+    def __setitem__(self, idx, value):
+        self.cache[idx] = value  # only its watched mixers write it, inside `capture_window`
+
     @property
-    def nbytes(self)->int:
+    def nbytes(self) -> int:
         held = self.cache + (self.window or []) + (self.before or []) + [a for _, b, w, _ in self.past for a in b + w]
         return sum(a.nbytes for a in held if a is not None)
-    def __repr__(self): return f"RaggedStateCache(ends={self.ends}, trimmable={[self.trimmable(i) for i in range(len(self.ends))]})"
+
+    def __repr__(self):
+        return f"RaggedStateCache(ends={self.ends}, trimmable={[self.trimmable(i) for i in range(len(self.ends))]})"
 
 # %% ../../nbs/04e_ragged_state.ipynb #75e11073
-def _or_zeros(a:mx.array|None, like:mx.array, b:int)->mx.array:
+def _or_zeros(a: mx.array | None, like: mx.array, b: int) -> mx.array:
     "`a`, or `b` rows of zeros shaped like a row of `like` (mlx-lm's mixers read a missing state as zeros)."
     return mx.zeros((b,) + like.shape[1:], like.dtype) if a is None else a
 
-def _row_at(windows:list, i:int, e:int, B:int)->int:
-    "Where row `i`'s state after `e` tokens lies in `windows` laid end to end, each as its B states before and its B·S after each position: the newest window that holds it."
+
+def _row_at(windows: list, i: int, e: int, B: int) -> int:
+    """Where row `i`'s state after `e` tokens lies in `windows` laid end to end, each as its B states before and its B·S
+    after each position: the newest window that holds it."""
     at = sum(B + B * S for *_, S in windows)
     for starts, _, _, S in reversed(windows):
         at -= B + B * S
-        if starts[i] == e: return at + i
-        if starts[i] < e <= starts[i] + S: return at + B + i * S + e - starts[i] - 1
+        if starts[i] == e:
+            return at + i
+        if starts[i] < e <= starts[i] + S:
+            return at + B + i * S + e - starts[i] - 1
     raise ValueError(f"row {i}'s state after {e} tokens is no longer held")
 
-@patch
-def _pick(self:RaggedStateCache, windows:list)->list:
-    "Each row's state at its own end, from the newest of `windows` that holds it (the state before a window for a row trimmed to its start)."
-    B = len(self.ends)
-    idx = mx.array([_row_at(windows, i, e, B) for i, e in enumerate(self.ends)])
-    def flat(k:int):
-        like = next((a for _, b, w, _ in windows for a in (w[k], b[k]) if a is not None), None)
-        if like is None: return None
-        return mx.take(mx.concatenate([a for _, b, w, S in windows for a in (_or_zeros(b[k], like, B), _or_zeros(w[k], like, B * S))]), idx, axis=0)
-    return [flat(k) for k in range(len(self.cache))]
 
 @patch
-def _windows(self:RaggedStateCache)->list:
+def _pick(self: RaggedStateCache, windows: list) -> list:
+    """Each row's state at its own end, from the newest of `windows` that holds it (the state before a window for a row
+    trimmed to its start)."""
+    B = len(self.ends)
+    idx = mx.array([_row_at(windows, i, e, B) for i, e in enumerate(self.ends)])
+
+    def flat(k: int):
+        like = next((a for _, b, w, _ in windows for a in (w[k], b[k]) if a is not None), None)
+        if like is None:
+            return None
+        return mx.take(
+            mx.concatenate(
+                [a for _, b, w, S in windows for a in (_or_zeros(b[k], like, B), _or_zeros(w[k], like, B * S))]
+            ),
+            idx,
+            axis=0,
+        )
+
+    return [flat(k) for k in range(len(self.cache))]
+
+
+@patch
+def _windows(self: RaggedStateCache) -> list:
     "The windows a row's state can still be picked from: the earlier ones kept (`history`), then the last."
     return self.past + [(self.starts, self.before, self.window, self.S)]
 
+
 @patch
-def _settle(self:RaggedStateCache):
+def _settle(self: RaggedStateCache):
     "Pick each row's state at its own end; the history ends (a row can no longer be trimmed)."
-    if self.window is None: return
+    if self.window is None:
+        return
     self.cache = self._pick(self._windows())
     self.before = self.window = None
     self.starts, self.past = list(self.ends), []
 
+
 @patch
-def _advance(self:RaggedStateCache):
-    "Before a new window: each row's state at its own end; with `history`, the round's earlier windows kept (a row may be trimmed back into them)."
-    if self.window is None or not self.history: return self._settle()
+def _advance(self: RaggedStateCache):
+    """Before a new window: each row's state at its own end; with `history`, the round's earlier windows kept (a row may
+    be trimmed back into them)."""
+    if self.window is None or not self.history:
+        return self._settle()
     windows = self._windows()
     self.cache = self._pick(windows)
     self.before = self.window = None
@@ -93,38 +141,53 @@ def _advance(self:RaggedStateCache):
 
 # %% ../../nbs/04e_ragged_state.ipynb #3881e324
 @patch
-def _enter(self:RaggedStateCache, module, args, kwargs, shape:tuple):
+def _enter(self: RaggedStateCache, module, args, kwargs, shape: tuple):
     "A watched call begins (mixers nest in their decoder layers: the outermost starts the count)."
     self._depth += 1
-    if self._depth == 1: self._captured = False
+    if self._depth == 1:
+        self._captured = False
+
 
 @patch
-def _exit(self:RaggedStateCache):
+def _exit(self: RaggedStateCache):
     "A watched call ends: the outermost checks that a mixer captured every row's positions."
     self._depth -= 1
     if self._depth == 0 and not self._captured:
-        raise RuntimeError("a recurrent layer of this model does not keep each row's state at its own length under right padding "
-                           "(its mixer is not in specnb.caches.recurrent.CAPTURABLE): batched rounds cannot hold it; run its requests with spec_generate")
+        raise RuntimeError(
+            "a recurrent layer of this model does not keep each row's state at its own length under right padding "
+            "(its mixer is not in specnb.caches.recurrent.CAPTURABLE): batched rounds cannot hold it; run its "
+            "requests with spec_generate"
+        )
+
 
 @patch
-def _capturable(self:RaggedStateCache, x, mask, default)->bool: return True
+def _capturable(self: RaggedStateCache, x, mask, default) -> bool:
+    return True
+
 
 @patch
-def _copies(self:RaggedStateCache, module, call, bound:dict, x:mx.array)->tuple:
-    "`(states, out)`: one forward of `module` over S copies of each row's window, copy j reading j+1 tokens (right padding and `lengths`)."
+def _copies(self: RaggedStateCache, module, call, bound: dict, x: mx.array) -> tuple:
+    """`(states, out)`: one forward of `module` over S copies of each row's window, copy j reading j+1 tokens (right
+    padding and `lengths`)."""
     B, S = x.shape[:2]
     grow = lambda a: mx.repeat(a, S, axis=0) if isinstance(a, mx.array) and a.ndim >= 2 and a.shape[:2] == (B, S) else a
     bound = {k: grow(v) for k, v in bound.items()}
     bound["mask"] = mx.tile(mx.arange(S)[None] < mx.arange(1, S + 1)[:, None], (B, 1))
     self.cache = [None if a is None else mx.repeat(a, S, axis=0) for a in self.cache]
     self.lengths = mx.tile(mx.arange(1, S + 1), B)
-    try: out = call(module, **bound)
-    finally: self.lengths = None
-    return list(self.cache), out[S - 1::S]   # each row's full copy: its outputs at its own positions (past them, padding nobody reads)
+    try:
+        out = call(module, **bound)
+    finally:
+        self.lengths = None
+    return list(self.cache), out[
+        S - 1 :: S
+    ]  # each row's full copy: its outputs at its own positions (past them, padding nobody reads)
+
 
 @patch
-def capture_window(self:RaggedStateCache, module, call, bound:dict, x:mx.array)->mx.array:
-    "Every row's state after each of its positions: S copies of the window in one forward, or each prefix in turn (a `PREFIXED` layer)."
+def capture_window(self: RaggedStateCache, module, call, bound: dict, x: mx.array) -> mx.array:
+    """Every row's state after each of its positions: S copies of the window in one forward, or each prefix in turn (a
+    `PREFIXED` layer)."""
     self._advance()
     S = x.shape[1]
     self.before = list(self.cache)
@@ -137,30 +200,35 @@ def capture_window(self:RaggedStateCache, module, call, bound:dict, x:mx.array)-
 
 # %% ../../nbs/04e_ragged_state.ipynb #67f44a13
 @patch
-def join(self:RaggedStateCache, c:ArraysCache)->int:
+def join(self: RaggedStateCache, c: ArraysCache) -> int:
     "Add a row holding the single-sequence state `c` holds (its arrays move to the batch); returns its index."
     self._settle()
     B = len(self.ends)
+
     def cat(a, b):
         like = a if a is not None else b
         return None if like is None else mx.concatenate([_or_zeros(a, like, B), _or_zeros(b, like, 1)])
+
     self.cache = [cat(a, b) for a, b in zip(self.cache, c.cache)]
     self.ends.append(c.offset)
     self.starts.append(c.offset)
     c.cache = [None] * len(c.cache)
     return B
 
-@patch
-def hand_back(self:RaggedStateCache, i:int, c:ArraysCache):
-    "Make the single-sequence cache `c` hold row `i`'s state, copied out (a view would keep the batch's buffers alive)."
-    self._settle()
-    rows = [None if a is None else mx.contiguous(a[i:i + 1]) for a in self.cache]
-    mx.eval([a for a in rows if a is not None])
-    c.cache = rows
-    if isinstance(c, RecurrentCache): c.offset, c.steps, c.lost = self.ends[i], [], False
 
 @patch
-def drop(self:RaggedStateCache, i:int):
+def hand_back(self: RaggedStateCache, i: int, c: ArraysCache):
+    "Make the single-sequence cache `c` hold row `i`'s state, copied out (a view would keep the batch's buffers alive)."
+    self._settle()
+    rows = [None if a is None else mx.contiguous(a[i : i + 1]) for a in self.cache]
+    mx.eval([a for a in rows if a is not None])
+    c.cache = rows
+    if isinstance(c, RecurrentCache):
+        c.offset, c.steps, c.lost = self.ends[i], [], False
+
+
+@patch
+def drop(self: RaggedStateCache, i: int):
     "Remove row `i`; the rows after it move up one."
     self._settle()
     keep = [j for j in range(len(self.ends)) if j != i]
@@ -169,50 +237,98 @@ def drop(self:RaggedStateCache, i:int):
     self.cache = [None if a is None or not keep else a[mx.array(keep)] for a in self.cache]
 
 # %% ../../nbs/04e_ragged_state.ipynb #1e728c1d
-def _attention(name:str)->bool: return bool(re.search(r"(?<!Linear)(?<!Delta)Attention$", name))   # a KV layer: not a mixer (KimiDeltaAttention is)
+def _attention(name: str) -> bool:
+    return bool(re.search(r"(?<!Linear)(?<!Delta)Attention$", name))  # a KV layer: not a mixer (KimiDeltaAttention is)
 
-def _takes_cache(m)->bool: return "cache" in inspect.signature(getattr(type(m), "_watches", type(m)).__call__).parameters   # watched: its mlx-lm class's
 
-def unbatched_state(model)->str|None:
-    "Why batched rounds cannot hold `model`'s recurrent layers, in words; None when each is one mixer in `CAPTURABLE` (or it has none)."
-    cache = list(leaves(make_prompt_cache(model)))   # Falcon-H1's layers: a `CacheList` of Mamba state and attention each
-    if not any(isinstance(c, ArraysCache) for c in cache): return None
-    if sum(isinstance(c, ArraysCache) for c in cache) == sum(layer_name(m) in CAPTURABLE for _, m in model.named_modules()): return None
-    inner = [m for _, m in model.named_modules() if _takes_cache(m) and not any(_takes_cache(s) for _, s in m.named_modules()[1:])]
+def _takes_cache(m) -> bool:
+    return (
+        "cache" in inspect.signature(getattr(type(m), "_watches", type(m)).__call__).parameters
+    )  # watched: its mlx-lm class's
+
+
+def unbatched_state(model) -> str | None:
+    """Why batched rounds cannot hold `model`'s recurrent layers, in words; None when each is one mixer in `CAPTURABLE`
+    (or it has none)."""
+    cache = list(
+        leaves(make_prompt_cache(model))
+    )  # Falcon-H1's layers: a `CacheList` of Mamba state and attention each
+    if not any(isinstance(c, ArraysCache) for c in cache):
+        return None
+    if sum(isinstance(c, ArraysCache) for c in cache) == sum(
+        layer_name(m) in CAPTURABLE for _, m in model.named_modules()
+    ):
+        return None
+    inner = [
+        m
+        for _, m in model.named_modules()
+        if _takes_cache(m) and not any(_takes_cache(s) for _, s in m.named_modules()[1:])
+    ]
     names = {layer_name(m) for m in inner} - CAPTURABLE
-    bad = sorted(n for n in names if not _attention(n)) or sorted(names)   # an attention layer that keeps state itself (Baichuan-M1's)
+    bad = sorted(n for n in names if not _attention(n)) or sorted(
+        names
+    )  # an attention layer that keeps state itself (Baichuan-M1's)
     return f"recurrent mixers that run a row's right padding into its state ({', '.join(bad)})"
 
-class RaggedCacheList(CacheList):
-    "One layer's caches of several kinds (mlx-lm's `CacheList`) for a batch of sequences: ragged ones, whose rows join, leave and move together."
-    def __init__(self, *caches): self.caches = caches
-    @property
-    def ends(self)->list: return self.caches[0].ends
-    @ends.setter
-    def ends(self, ends:list):
-        for c in self.caches: c.ends = list(ends)
-    def reserve(self, n:int):
-        for c in self.caches: c.reserve(n)
-    def join(self, c:CacheList)->int: return [x.join(y) for x, y in zip(self.caches, c.caches)][0]
-    def hand_back(self, i:int, c:CacheList):
-        for x, y in zip(self.caches, c.caches): x.hand_back(i, y)
-    def drop(self, i:int):
-        for c in self.caches: c.drop(i)
-    def trimmable(self, i:int)->int: return min(c.trimmable(i) for c in self.caches)
-    @property
-    def nbytes(self)->int: return sum(c.nbytes for c in self.caches)
-    def __repr__(self): return f"RaggedCacheList({', '.join(map(repr, self.caches))})"
 
-def _ragged(c, history:bool=False):
+class RaggedCacheList(CacheList):
+    """One layer's caches of several kinds (mlx-lm's `CacheList`) for a batch of sequences: ragged ones, whose rows
+    join, leave and move together."""
+
+    def __init__(self, *caches):
+        self.caches = caches
+
+    @property
+    def ends(self) -> list:
+        return self.caches[0].ends
+
+    @ends.setter
+    def ends(self, ends: list):
+        for c in self.caches:
+            c.ends = list(ends)
+
+    def reserve(self, n: int):
+        for c in self.caches:
+            c.reserve(n)
+
+    def join(self, c: CacheList) -> int:
+        return [x.join(y) for x, y in zip(self.caches, c.caches)][0]
+
+    def hand_back(self, i: int, c: CacheList):
+        for x, y in zip(self.caches, c.caches):
+            x.hand_back(i, y)
+
+    def drop(self, i: int):
+        for c in self.caches:
+            c.drop(i)
+
+    def trimmable(self, i: int) -> int:
+        return min(c.trimmable(i) for c in self.caches)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    def __repr__(self):
+        return f"RaggedCacheList({', '.join(map(repr, self.caches))})"
+
+
+def _ragged(c, history: bool = False):
     "The batch's cache for one of mlx-lm's: a ring, a recurrent state, the caches of a `CacheList`, or full attention."
-    if isinstance(c, CacheList): return RaggedCacheList(*(_ragged(x, history) for x in c.caches))
-    if isinstance(c, ArraysCache): return RaggedStateCache(len(c.cache), history)
+    if isinstance(c, CacheList):
+        return RaggedCacheList(*(_ragged(x, history) for x in c.caches))
+    if isinstance(c, ArraysCache):
+        return RaggedStateCache(len(c.cache), history)
     return RaggedRotatingKVCache(c.max_size) if isinstance(c, RotatingKVCache) else RaggedKVCache()
 
-def batch_cache(model,
-                history:bool=False, # recurrent rows trimmable across windows (a draft model's: it drafts a token per forward)
-               )->list:
-    "The batch's caches for `model`: 04c's ragged attention caches, a `RaggedStateCache` for each recurrent layer (its mixers watched)."
+
+def batch_cache(
+    model,
+    history: bool = False,  # recurrent rows trimmable across windows (a draft model's: it drafts a token per forward)
+) -> list:
+    """The batch's caches for `model`: 04c's ragged attention caches, a `RaggedStateCache` for each recurrent layer (its
+    mixers watched)."""
     plain = make_prompt_cache(model)
-    if any(isinstance(c, ArraysCache) for c in leaves(plain)): watch_mixers(model)
+    if any(isinstance(c, ArraysCache) for c in leaves(plain)):
+        watch_mixers(model)
     return [_ragged(c, history) for c in plain]

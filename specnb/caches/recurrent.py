@@ -23,55 +23,212 @@ from .rollback import leaves, rollback
 from .window import as_spec_cache, spec_ring
 
 # %% ../../nbs/04b_hybrid.ipynb #d5f16913
-_SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-_GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-            full_attention_interval=2, num_hidden_layers=4, rms_norm_eps=1e-6)
-_MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_proj_bias=False, mamba_conv_bias=True)
-HYBRIDS = {   # each architecture's own keys, on top of `_SHAPE`
+_SHAPE = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+)
+_GDN = dict(
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=2,
+    num_hidden_layers=4,
+    rms_norm_eps=1e-6,
+)
+_MAMBA = dict(
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_d_state=16,
+    mamba_n_groups=1,
+    mamba_d_conv=4,
+    mamba_proj_bias=False,
+    mamba_conv_bias=True,
+)
+HYBRIDS = {  # each architecture's own keys, on top of `_SHAPE`
     "qwen3_5": dict(text_config=dict(model_type="qwen3_5_text", **_SHAPE, **_GDN)),
-    "qwen3_next": dict(**_GDN, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=64,
-                       mlp_only_layers=[], moe_intermediate_size=64, rope_theta=1e4, partial_rotary_factor=0.25, max_position_embeddings=512),
-    "lfm2": dict(num_hidden_layers=4, max_position_embeddings=512, norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=64,
-                 block_multiple_of=16, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, block_ff_dim=128, full_attn_idxs=[1, 3]),
-    "nemotron_h": dict(max_position_embeddings=512, attention_bias=False, mamba_num_heads=8, mamba_head_dim=16, mamba_proj_bias=False,
-                       ssm_state_size=16, conv_kernel=4, n_groups=2, mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False,
-                       use_conv_bias=True, hybrid_override_pattern=list("M*M-"), time_step_limit=(0.0, float("inf"))),
-    "mamba2": dict(num_heads=8, state_size=16, num_hidden_layers=3, layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=2, use_bias=False,
-                   use_conv_bias=True, tie_word_embeddings=False, time_step_limit=(0.0, float("inf")), time_step_rank="auto"),
+    "qwen3_next": dict(
+        **_GDN,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[],
+        moe_intermediate_size=64,
+        rope_theta=1e4,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=512,
+    ),
+    "lfm2": dict(
+        num_hidden_layers=4,
+        max_position_embeddings=512,
+        norm_eps=1e-5,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=64,
+        block_multiple_of=16,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+        block_ff_dim=128,
+        full_attn_idxs=[1, 3],
+    ),
+    "nemotron_h": dict(
+        max_position_embeddings=512,
+        attention_bias=False,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        mamba_proj_bias=False,
+        ssm_state_size=16,
+        conv_kernel=4,
+        n_groups=2,
+        mlp_bias=False,
+        layer_norm_epsilon=1e-5,
+        use_bias=False,
+        use_conv_bias=True,
+        hybrid_override_pattern=list("M*M-"),
+        time_step_limit=(0.0, float("inf")),
+    ),
+    "mamba2": dict(
+        num_heads=8,
+        state_size=16,
+        num_hidden_layers=3,
+        layer_norm_epsilon=1e-5,
+        conv_kernel=4,
+        n_groups=2,
+        use_bias=False,
+        use_conv_bias=True,
+        tie_word_embeddings=False,
+        time_step_limit=(0.0, float("inf")),
+        time_step_rank="auto",
+    ),
     "falcon_h1": dict(**_MAMBA, mamba_d_ssm=128, num_hidden_layers=2, tie_word_embeddings=False),
-    "granitemoehybrid": dict(**_MAMBA, num_hidden_layers=3, max_position_embeddings=512, attention_bias=False, embedding_multiplier=1.0,
-                             attention_multiplier=0.25, logits_scaling=1.0, residual_multiplier=1.0, rms_norm_eps=1e-5,
-                             layer_types=["mamba", "attention", "mamba"], shared_intermediate_size=128, tie_word_embeddings=False),
-    "recurrent_gemma": dict(attention_bias=False, conv1d_width=4, logits_soft_cap=30.0, num_hidden_layers=3, num_key_value_heads=1,
-                            rms_norm_eps=1e-6, rope_theta=1e4, attention_window_size=512, block_types=["recurrent", "recurrent", "attention"]),
-    "mamba": dict(state_size=16, num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=8),
-    "jamba": dict(num_hidden_layers=4, attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2, mamba_d_conv=4,
-                  mamba_d_state=16, mamba_expand=2, num_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-6, max_position_embeddings=512,
-                  tie_word_embeddings=False),
-    "rwkv7": dict(norm_eps=1e-5, num_hidden_layers=2, a_low_rank_dim=8, v_low_rank_dim=8, gate_low_rank_dim=8, decay_low_rank_dim=8),
-    "kimi_linear": dict(num_hidden_layers=4, num_key_value_heads=4, rope_theta=1e4, rms_norm_eps=1e-6, model_max_length=512, num_experts=4,
-                        linear_attn_config=dict(kda_layers=[1, 3], full_attn_layers=[2, 4], num_heads=4, head_dim=16, short_conv_kernel_size=4),
-                        moe_intermediate_size=64, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts_per_token=2,
-                        first_k_dense_replace=1),
-    "plamo2": dict(num_hidden_layers=2, hidden_size_per_head=16, mamba_d_state=16, mamba_d_conv=4, mamba_num_heads=4, mamba_step=2),
-    "lfm2_moe": dict(num_hidden_layers=4, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, norm_eps=1e-5,
-                     max_position_embeddings=512, use_expert_bias=True, num_dense_layers=1, conv_bias=False, conv_L_cache=3, full_attn_idxs=[1, 3]),
-    "olmo_hybrid": dict(**{k: v for k, v in _GDN.items() if k != "full_attention_interval"}, linear_allow_neg_eigval=True, attention_bias=False,
-                        max_position_embeddings=512, tie_word_embeddings=False, layer_types=["linear_attention", "full_attention"] * 2),
-    "bailing_moe_linear": dict(num_hidden_layers=4, max_position_embeddings=512, moe_intermediate_size=64, num_experts=4, num_shared_experts=1,
-                               norm_topk_prob=True, num_experts_per_tok=2, rms_norm_eps=1e-6, rope_theta=1e4, first_k_dense_replace=1,
-                               layer_group_size=2, group_norm_size=1),
-    "gear": dict(num_hidden_layers=4, rms_norm_eps=1e-6, sliding_window=512, max_position_embeddings=512,
-                 layer_types=["conv_mixer", "sliding_attention", "conv_mixer", "full_attention"]),
+    "granitemoehybrid": dict(
+        **_MAMBA,
+        num_hidden_layers=3,
+        max_position_embeddings=512,
+        attention_bias=False,
+        embedding_multiplier=1.0,
+        attention_multiplier=0.25,
+        logits_scaling=1.0,
+        residual_multiplier=1.0,
+        rms_norm_eps=1e-5,
+        layer_types=["mamba", "attention", "mamba"],
+        shared_intermediate_size=128,
+        tie_word_embeddings=False,
+    ),
+    "recurrent_gemma": dict(
+        attention_bias=False,
+        conv1d_width=4,
+        logits_soft_cap=30.0,
+        num_hidden_layers=3,
+        num_key_value_heads=1,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        attention_window_size=512,
+        block_types=["recurrent", "recurrent", "attention"],
+    ),
+    "mamba": dict(
+        state_size=16, num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=8
+    ),
+    "jamba": dict(
+        num_hidden_layers=4,
+        attn_layer_offset=1,
+        attn_layer_period=2,
+        expert_layer_offset=1,
+        expert_layer_period=2,
+        mamba_d_conv=4,
+        mamba_d_state=16,
+        mamba_expand=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    ),
+    "rwkv7": dict(
+        norm_eps=1e-5,
+        num_hidden_layers=2,
+        a_low_rank_dim=8,
+        v_low_rank_dim=8,
+        gate_low_rank_dim=8,
+        decay_low_rank_dim=8,
+    ),
+    "kimi_linear": dict(
+        num_hidden_layers=4,
+        num_key_value_heads=4,
+        rope_theta=1e4,
+        rms_norm_eps=1e-6,
+        model_max_length=512,
+        num_experts=4,
+        linear_attn_config=dict(
+            kda_layers=[1, 3], full_attn_layers=[2, 4], num_heads=4, head_dim=16, short_conv_kernel_size=4
+        ),
+        moe_intermediate_size=64,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts_per_token=2,
+        first_k_dense_replace=1,
+    ),
+    "plamo2": dict(
+        num_hidden_layers=2, hidden_size_per_head=16, mamba_d_state=16, mamba_d_conv=4, mamba_num_heads=4, mamba_step=2
+    ),
+    "lfm2_moe": dict(
+        num_hidden_layers=4,
+        moe_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        norm_eps=1e-5,
+        max_position_embeddings=512,
+        use_expert_bias=True,
+        num_dense_layers=1,
+        conv_bias=False,
+        conv_L_cache=3,
+        full_attn_idxs=[1, 3],
+    ),
+    "olmo_hybrid": dict(
+        **{k: v for k, v in _GDN.items() if k != "full_attention_interval"},
+        linear_allow_neg_eigval=True,
+        attention_bias=False,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention"] * 2,
+    ),
+    "bailing_moe_linear": dict(
+        num_hidden_layers=4,
+        max_position_embeddings=512,
+        moe_intermediate_size=64,
+        num_experts=4,
+        num_shared_experts=1,
+        norm_topk_prob=True,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        first_k_dense_replace=1,
+        layer_group_size=2,
+        group_norm_size=1,
+    ),
+    "gear": dict(
+        num_hidden_layers=4,
+        rms_norm_eps=1e-6,
+        sliding_window=512,
+        max_position_embeddings=512,
+        layer_types=["conv_mixer", "sliding_attention", "conv_mixer", "full_attention"],
+    ),
 }
 
-def tiny_hybrid(arch:str,          # a key of `HYBRIDS`
-                seed:int=0,        # weights are drawn from this seed
-                noise:float=0.05,  # added to every weight (times a standard normal)
-                **config,          # config keys to change (e.g. `attention_window_size=8`)
-               ):
+
+def tiny_hybrid(
+    arch: str,  # a key of `HYBRIDS`
+    seed: int = 0,  # weights are drawn from this seed
+    noise: float = 0.05,  # added to every weight (times a standard normal)
+    **config,  # config keys to change (e.g. `attention_window_size=8`)
+):
     "A random mlx-lm `arch` model of a few layers, fp32, built from a config dict as `mlx_lm.load` builds it."
-    if arch not in HYBRIDS: raise ValueError(f"unknown hybrid {arch!r}; choose one of {sorted(HYBRIDS)}")
+    if arch not in HYBRIDS:
+        raise ValueError(f"unknown hybrid {arch!r}; choose one of {sorted(HYBRIDS)}")
     cfg = {"model_type": arch, **({} if "text_config" in HYBRIDS[arch] else _SHAPE), **HYBRIDS[arch], **config}
     model = model_from_config(cfg, seed)
     model.update(tree_map(lambda w: w + noise * mx.random.normal(w.shape), model.parameters()))
@@ -82,43 +239,56 @@ def tiny_hybrid(arch:str,          # a key of `HYBRIDS`
 @dataclass
 class Step:
     "One forward a `RecurrentCache` took part in."
-    start: int                  # tokens the cache held before it
-    size: int                   # tokens it read
-    before: list                # the state arrays before it (references: MLX arrays are immutable, so this copies nothing)
-    calls: list = field(default_factory=list)   # (depth, module, args, kwargs) of each watched call that received the cache
+
+    start: int  # tokens the cache held before it
+    size: int  # tokens it read
+    before: list  # the state arrays before it (references: MLX arrays are immutable, so this copies nothing)
+    calls: list = field(
+        default_factory=list
+    )  # (depth, module, args, kwargs) of each watched call that received the cache
     states: list | None = None  # capture: each state array with one row per position, row i after i+1 tokens
-    batch: int = 1              # sequences it read
-    width: int = 0              # tokens its calls were given (`size` until a trim cuts the step shorter)
+    batch: int = 1  # sequences it read
+    width: int = 0  # tokens its calls were given (`size` until a trim cuts the step shorter)
 
     @property
-    def end(self)->int: return self.start + self.size
+    def end(self) -> int:
+        return self.start + self.size
 
-    def replay_call(self)->tuple:
-        "`(module, args, kwargs)` that reads these tokens again: the innermost call if the calls nest in one chain, else the outermost."
+    def replay_call(self) -> tuple:
+        """`(module, args, kwargs)` that reads these tokens again: the innermost call if the calls nest in one chain,
+        else the outermost."""
         chain = [c[0] for c in self.calls] == list(range(1, len(self.calls) + 1))
         return tuple((self.calls[-1] if chain else self.calls[0])[1:])
 
 # %% ../../nbs/04b_hybrid.ipynb #077ac00e
 class RecurrentCache(ArraysCache):
     "mlx-lm's `ArraysCache` (the conv and recurrent state of one layer) that can give back its last tokens exactly."
-    def __init__(self,
-                 size:int,           # state arrays, as `ArraysCache(size)`: 2 for conv + recurrent state
-                 max_verify:int=16,  # the longest forward kept for rollback, and how many recent tokens stay trimmable
-                 capture:bool|None=None, # True: capture in every `CAPTURABLE` layer; False: always replay; None: `CAPTURE_BY_DEFAULT`, for windows up to `CAPTURE_MAX_WINDOW`
-                ):
+
+    def __init__(
+        self,
+        size: int,  # state arrays, as `ArraysCache(size)`: 2 for conv + recurrent state
+        max_verify: int = 16,  # the longest forward kept for rollback, and how many recent tokens stay trimmable
+        capture: bool
+        # True: capture in every `CAPTURABLE` layer; False: always replay; None: `CAPTURE_BY_DEFAULT`, for windows up to
+        # `CAPTURE_MAX_WINDOW`
+        | None = None,
+    ):
         super().__init__(size)
         self.offset, self.max_verify, self.capture = 0, max_verify, capture
-        self.steps = []     # the recent forwards, oldest first
-        self.lost = False   # written outside a watched call: nothing can be given back
-        self._depth = 0     # watched calls in progress on this cache
+        self.steps = []  # the recent forwards, oldest first
+        self.lost = False  # written outside a watched call: nothing can be given back
+        self._depth = 0  # watched calls in progress on this cache
 
-    def __repr__(self): return f"RecurrentCache(offset={self.offset}, trimmable={self.trimmable()}, steps={len(self.steps)})"
+    def __repr__(self):
+        return f"RecurrentCache(offset={self.offset}, trimmable={self.trimmable()}, steps={len(self.steps)})"
 
     def __setitem__(self, idx, value):
-        if self._depth == 0: self.lost = True   # a forward nobody watched: what it replaced is unknown
+        if self._depth == 0:
+            self.lost = True  # a forward nobody watched: what it replaced is unknown
         self.cache[idx] = value
 
-    def size(self)->int: return self.offset
+    def size(self) -> int:
+        return self.offset
 
     def __deepcopy__(self, memo):
         "A copy with its own history; the arrays and the watched layers are shared, as nothing changes them in place."
@@ -128,64 +298,82 @@ class RecurrentCache(ArraysCache):
 
 # %% ../../nbs/04b_hybrid.ipynb #1f9c71db
 @patch
-def _enter(self:RecurrentCache, module, args, kwargs, shape:tuple):
+def _enter(self: RecurrentCache, module, args, kwargs, shape: tuple):
     "A watched call begins: the outermost opens a `Step` holding the state as it is now."
     self._depth += 1
     if self._depth == 1:
-        if self.steps: self.steps[-1].states = None   # only the newest forward keeps its positions' states
+        if self.steps:
+            self.steps[-1].states = None  # only the newest forward keeps its positions' states
         self.steps.append(Step(self.offset, shape[1], list(self.cache), batch=shape[0], width=shape[1]))
     self.steps[-1].calls.append((self._depth, module, args, kwargs))
 
+
 @patch
-def _exit(self:RecurrentCache):
+def _exit(self: RecurrentCache):
     "A watched call ends: the outermost moves the offset on and forgets what no trim can reach."
     self._depth -= 1
-    if self._depth: return
+    if self._depth:
+        return
     self.offset = self.steps[-1].end
-    if self.steps[-1].size > self.max_verify: self.steps = []   # a prefill chunk: nothing up to here comes back
-    while self.steps and self.steps[0].end <= self.offset - self.max_verify: self.steps.pop(0)
+    if self.steps[-1].size > self.max_verify:
+        self.steps = []  # a prefill chunk: nothing up to here comes back
+    while self.steps and self.steps[0].end <= self.offset - self.max_verify:
+        self.steps.pop(0)
 
 # %% ../../nbs/04b_hybrid.ipynb #621b7d14
 @patch
-def trimmable(self:RecurrentCache)->int:
+def trimmable(self: RecurrentCache) -> int:
     "How many tokens `trim` can give back now."
     return 0 if self.lost or not self.steps else self.offset - self.steps[0].start
 
+
 @patch
-def is_trimmable(self:RecurrentCache)->bool:
+def is_trimmable(self: RecurrentCache) -> bool:
     "mlx-lm's question: can *any* trim be undone? Only while the history reaches back to the first token."
     return self.trimmable() == self.offset and not self.lost
 
-@patch
-def reserve(self:RecurrentCache, n:int):
-    "Make a forward of `n` tokens keepable for rollback (the executor's `can_take` calls this before each verify)."
-    if self.lost: raise RuntimeError("a RecurrentCache was written by a layer make_recurrent_caches did not watch: it cannot give "
-                                     "tokens back; build the caches with make_recurrent_caches(model) for the model that uses them (a layer that keeps state "
-                                     "beside its KV cache in one CacheList, as Baichuan-M1's attention does, cannot speculate: decode it plainly)")
-    self.max_verify = max(self.max_verify, n)
 
 @patch
-def _restore(self:RecurrentCache, step:Step):
+def reserve(self: RecurrentCache, n: int):
+    "Make a forward of `n` tokens keepable for rollback (the executor's `can_take` calls this before each verify)."
+    if self.lost:
+        raise RuntimeError(
+            "a RecurrentCache was written by a layer make_recurrent_caches did not watch: it cannot give "
+            "tokens back; build the caches with make_recurrent_caches(model) for the model that uses them (a layer "
+            "that keeps state "
+            "beside its KV cache in one CacheList, as Baichuan-M1's attention does, cannot speculate: decode it "
+            "plainly)"
+        )
+    self.max_verify = max(self.max_verify, n)
+
+
+@patch
+def _restore(self: RecurrentCache, step: Step):
     "The state from before `step`."
     self.cache, self.offset = list(step.before), step.start
 
+
 @patch
-def trim(self:RecurrentCache, n:int)->int:
+def trim(self: RecurrentCache, n: int) -> int:
     "Give back the last `n` tokens (at most `trimmable()`); returns how many were given back."
     n = max(0, min(n, self.trimmable()))
-    if n == 0: return 0
+    if n == 0:
+        return 0
     to = self.offset - n
-    while self.steps and self.steps[-1].start >= to: self._restore(self.steps.pop())   # whole forwards undone
-    if self.offset > to: self._cut(self.steps[-1], to)
+    while self.steps and self.steps[-1].start >= to:
+        self._restore(self.steps.pop())  # whole forwards undone
+    if self.offset > to:
+        self._cut(self.steps[-1], to)
     return n
 
 # %% ../../nbs/04b_hybrid.ipynb #c1e4b29c
-def _row(a:mx.array, i:int)->mx.array:
+def _row(a: mx.array, i: int) -> mx.array:
     "Row `i` of `a` as an array of its own, so the rows around it can be freed."
     return mx.take(a, mx.array([i]), axis=0)
 
+
 @patch
-def _cut(self:RecurrentCache, step:Step, to:int):
+def _cut(self: RecurrentCache, step: Step, to: int):
     "Leave the state as it was `to - step.start` tokens into `step`: a captured row, else a replay."
     m = to - step.start
     if step.states is not None:
@@ -194,42 +382,78 @@ def _cut(self:RecurrentCache, step:Step, to:int):
     self.steps.pop()
     self._restore(step)
     module, args, kwargs = step.replay_call()
-    def cut(a):   # the first m tokens of each input; this cache in place of the one recorded (a deep copy replays into itself)
-        if isinstance(a, RecurrentCache): return self
+
+    def cut(
+        a,
+    ):  # the first m tokens of each input; this cache in place of the one recorded (a deep copy replays into itself)
+        if isinstance(a, RecurrentCache):
+            return self
         return a[:, :m] if isinstance(a, mx.array) and a.ndim >= 2 and a.shape[:2] == (step.batch, step.width) else a
-    capture, self.capture = self.capture, False   # the replay is cut no further: no rows to keep
-    try: module(*[cut(a) for a in args], **{k: cut(v) for k, v in kwargs.items()})   # lazy: only the state is ever evaluated
-    finally: self.capture = capture
+
+    capture, self.capture = self.capture, False  # the replay is cut no further: no rows to keep
+    try:
+        module(
+            *[cut(a) for a in args], **{k: cut(v) for k, v in kwargs.items()}
+        )  # lazy: only the state is ever evaluated
+    finally:
+        self.capture = capture
 
 # %% ../../nbs/04b_hybrid.ipynb #93db3acb
 GATED_DELTA = {"mlx_lm.models.qwen3_5.GatedDeltaNet", "mlx_lm.models.qwen3_next.Qwen3NextGatedDeltaNet"}
-PREFIXED = {   # layers that know no padding at all: captured by reading each prefix of the window in turn (`prefix_states`)
-    "mlx_lm.models.mamba.MambaBlock", "mlx_lm.models.jamba.JambaMambaMixer", "mlx_lm.models.rwkv7.Rwkv7Layer",
-    "mlx_lm.models.olmo_hybrid.GatedDeltaNet", "mlx_lm.models.bailing_moe_linear.LinearAttention"}
-CAPTURABLE = GATED_DELTA | PREFIXED | {   # layers whose batched right padding leaves each row's state at its own length (checked below)
-    "mlx_lm.models.lfm2.ShortConv", "mlx_lm.models.mamba2.Mamba2Block", "mlx_lm.models.falcon_h1.FalconH1Mixer",
-    "mlx_lm.models.granitemoehybrid.GraniteMoeHybridMamba2Mixer", "mlx_lm.models.kimi_linear.KimiDeltaAttention",
-    "mlx_lm.models.plamo2.Mamba", "mlx_lm.models.lfm2_moe.ShortConv", "mlx_lm.models.gear.ConvKVGatedMixer",
-    "mlx_lm.models.nemotron_h.NemotronHMamba2Mixer", "mlx_lm.models.recurrent_gemma.RecurrentBlock"}   # these two through `ROW_LENGTHS`, below
-CAPTURE_BY_DEFAULT = GATED_DELTA   # where capture measured cheaper than replay (see "What it costs")
-CAPTURE_MAX_WINDOW = 6             # ... for windows this long at most; longer ones replay (see "Long verify windows")
+# layers that know no padding at all: captured by reading each prefix of the window in turn (`prefix_states`)
+PREFIXED = {
+    "mlx_lm.models.mamba.MambaBlock",
+    "mlx_lm.models.jamba.JambaMambaMixer",
+    "mlx_lm.models.rwkv7.Rwkv7Layer",
+    "mlx_lm.models.olmo_hybrid.GatedDeltaNet",
+    "mlx_lm.models.bailing_moe_linear.LinearAttention",
+}
+CAPTURABLE = (
+    GATED_DELTA
+    | PREFIXED
+    | {  # layers whose batched right padding leaves each row's state at its own length (checked below)
+        "mlx_lm.models.lfm2.ShortConv",
+        "mlx_lm.models.mamba2.Mamba2Block",
+        "mlx_lm.models.falcon_h1.FalconH1Mixer",
+        "mlx_lm.models.granitemoehybrid.GraniteMoeHybridMamba2Mixer",
+        "mlx_lm.models.kimi_linear.KimiDeltaAttention",
+        "mlx_lm.models.plamo2.Mamba",
+        "mlx_lm.models.lfm2_moe.ShortConv",
+        "mlx_lm.models.gear.ConvKVGatedMixer",
+        "mlx_lm.models.nemotron_h.NemotronHMamba2Mixer",
+        "mlx_lm.models.recurrent_gemma.RecurrentBlock",
+    }
+)  # these two through `ROW_LENGTHS`, below
+CAPTURE_BY_DEFAULT = GATED_DELTA  # where capture measured cheaper than replay (see "What it costs")
+CAPTURE_MAX_WINDOW = 6  # ... for windows this long at most; longer ones replay (see "Long verify windows")
+
 
 @patch
-def _capturable(self:RecurrentCache, x:mx.array, mask, default:bool)->bool:
-    "Should this call keep every position's state: wanted for this layer and window, one unpadded sequence, a window short enough to keep?"
+def _capturable(self: RecurrentCache, x: mx.array, mask, default: bool) -> bool:
+    """Should this call keep every position's state: wanted for this layer and window, one unpadded sequence, a window
+    short enough to keep?"""
     want = default and x.shape[1] <= CAPTURE_MAX_WINDOW if self.capture is None else self.capture
-    return (want and mask is None and self.lengths is None and self.left_padding is None
-            and x.shape[0] == 1 and 1 < x.shape[1] <= self.max_verify)
+    return (
+        want
+        and mask is None
+        and self.lengths is None
+        and self.left_padding is None
+        and x.shape[0] == 1
+        and 1 < x.shape[1] <= self.max_verify
+    )
 
-def layer_name(module)->str:
+
+def layer_name(module) -> str:
     "The mlx-lm class of a layer (or a layer class), watched or not, as `package.module.Class`."
     cls = module if isinstance(module, type) else type(module)
     cls = getattr(cls, "_watches", cls)
     return f"{cls.__module__}.{cls.__qualname__}"
 
-def prefix_states(module, call, cache, bound:dict, x:mx.array)->tuple:
-    """`(states, out)`: S calls of `module` from the state before the window, call j reading its first j+1 tokens — each state
-    array with one row per sequence and position (sequence i after position j: row i·S+j) — and the last call's output."""
+
+def prefix_states(module, call, cache, bound: dict, x: mx.array) -> tuple:
+    """`(states, out)`: S calls of `module` from the state before the window, call j reading its first j+1 tokens — each
+    state array with one row per sequence and position (sequence i after position j: row i·S+j) — and the last call's
+    output."""
     B, S = x.shape[:2]
     before, after = list(cache.cache), []
     cut = lambda a, n: a[:, :n] if isinstance(a, mx.array) and a.ndim >= 2 and a.shape[:2] == (B, S) else a
@@ -239,8 +463,10 @@ def prefix_states(module, call, cache, bound:dict, x:mx.array)->tuple:
         after.append(list(cache.cache))
     return [None if s[0] is None else mx.stack(s, axis=1).reshape(B * S, *s[0].shape[1:]) for s in zip(*after)], out
 
-def _capture(module, call, cache:RecurrentCache, bound:dict, x:mx.array):
-    "One forward of `module` over S copies of the window, copy i reading i+1 tokens (or each prefix in turn: `PREFIXED`); keeps every row's state, returns the full copy's output."
+
+def _capture(module, call, cache: RecurrentCache, bound: dict, x: mx.array):
+    """One forward of `module` over S copies of the window, copy i reading i+1 tokens (or each prefix in turn:
+    `PREFIXED`); keeps every row's state, returns the full copy's output."""
     if layer_name(module) in PREFIXED:
         cache.steps[-1].states, out = prefix_states(module, call, cache, bound, x)
         return out
@@ -250,56 +476,80 @@ def _capture(module, call, cache:RecurrentCache, bound:dict, x:mx.array):
     bound["mask"] = mx.arange(S)[None] < mx.arange(1, S + 1)[:, None]
     cache.cache = [None if a is None else mx.repeat(a, S, axis=0) for a in cache.cache]
     cache.lengths = mx.arange(1, S + 1)
-    try: out = call(module, **bound)
-    finally: cache.lengths = None
+    try:
+        out = call(module, **bound)
+    finally:
+        cache.lengths = None
     cache.steps[-1].states = list(cache.cache)
     cache.cache = [_row(a, S - 1) for a in cache.cache]
     return out[-1:]
 
+
 @patch
-def capture_window(self:RecurrentCache, module, call, bound:dict, x:mx.array)->mx.array:
+def capture_window(self: RecurrentCache, module, call, bound: dict, x: mx.array) -> mx.array:
     "A watched call that keeps every position's state (`_capture`); a batched layer keeps them for every row."
     return _capture(module, call, self, bound, x)
 
-
 # %% ../../nbs/04b_hybrid.ipynb #60a95b42
-def _nemotron_ssm(self, hidden_states:mx.array, B:mx.array, C:mx.array, dt:mx.array, cache, mask):
+def _nemotron_ssm(self, hidden_states: mx.array, B: mx.array, C: mx.array, dt: mx.array, cache, mask):
     "`NemotronHMamba2Mixer._ssm`, passing the cache's `lengths` to `ssm_update` as `Mamba2Block._ssm` does."
     batch_size, seq_len, _ = hidden_states.shape
     hidden_states = hidden_states.reshape(batch_size, seq_len, self.num_heads, self.head_dim)
     B = B.reshape(batch_size, seq_len, self.n_groups, self.ssm_state_size)
     C = C.reshape(batch_size, seq_len, self.n_groups, self.ssm_state_size)
     state, lengths = (cache[1], cache.lengths) if cache else (None, None)
-    y, state = ssm_update(hidden_states, self.A_log, B, C, self.D.astype(hidden_states.dtype), dt, self.dt_bias, state,
-                          self.time_step_limit, mask, lengths)
-    if cache: cache[1] = state
+    y, state = ssm_update(
+        hidden_states,
+        self.A_log,
+        B,
+        C,
+        self.D.astype(hidden_states.dtype),
+        dt,
+        self.dt_bias,
+        state,
+        self.time_step_limit,
+        mask,
+        lengths,
+    )
+    if cache:
+        cache[1] = state
     return y.reshape(batch_size, seq_len, self.intermediate_size)
 
-def _recurrent_block(self, x:mx.array, cache=None, mask=None)->mx.array:
-    "RecurrentGemma's `RecurrentBlock.__call__`, leaving row i's conv and RG-LRU state after its first `cache.lengths[i]` tokens."
+
+def _recurrent_block(self, x: mx.array, cache=None, mask=None) -> mx.array:
+    """RecurrentGemma's `RecurrentBlock.__call__`, leaving row i's conv and RG-LRU state after its first
+    `cache.lengths[i]` tokens."""
     lengths = getattr(cache, "lengths", None)
-    if lengths is None: return type(self)._watches.__call__(self, x, cache=cache, mask=mask)
+    if lengths is None:
+        return type(self)._watches.__call__(self, x, cache=cache, mask=mask)
     y = nn.gelu_approx(self.linear_y(x))
     x = self.linear_x(x)
     K = self.conv_1d.weight.shape[1]
-    before = mx.zeros((x.shape[0], K - 1, x.shape[2]), x.dtype) if cache[0] is None else cache[0]   # mlx-lm pads with zeros
+    before = (
+        mx.zeros((x.shape[0], K - 1, x.shape[2]), x.dtype) if cache[0] is None else cache[0]
+    )  # mlx-lm pads with zeros
     inputs = mx.concatenate([before, x], axis=1)
     x, _ = self.conv_1d(x=x, cache=before)
-    h, _ = self.rg_lru(x=x, cache=cache[1])   # the hidden state after every position
-    ends = getattr(cache, "ends", [])   # a batch's rows (04e); one sequence with no tokens yet has no state at all
-    if cache[1] is not None and 0 in ends:   # a row with no tokens yet has no state: mlx-lm's RG-LRU leaves its first input unscaled
+    h, _ = self.rg_lru(x=x, cache=cache[1])  # the hidden state after every position
+    ends = getattr(cache, "ends", [])  # a batch's rows (04e); one sequence with no tokens yet has no state at all
+    if (
+        cache[1] is not None and 0 in ends
+    ):  # a row with no tokens yet has no state: mlx-lm's RG-LRU leaves its first input unscaled
         fresh = mx.repeat(mx.array([e == 0 for e in ends]), x.shape[0] // len(ends))
         h = mx.where(fresh[:, None, None], self.rg_lru(x=x)[0], h)
     cache[0] = mx.take_along_axis(inputs, (lengths[:, None] + mx.arange(K - 1))[..., None], axis=1)
     cache[1] = mx.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return self.linear_out(h * y)
 
-ROW_LENGTHS = {   # mlx-lm layers that ignore `cache.lengths`: the methods their watched classes use instead
+
+ROW_LENGTHS = {  # mlx-lm layers that ignore `cache.lengths`: the methods their watched classes use instead
     "mlx_lm.models.nemotron_h.NemotronHMamba2Mixer": {"_ssm": _nemotron_ssm},
-    "mlx_lm.models.recurrent_gemma.RecurrentBlock": {"__call__": _recurrent_block}}
+    "mlx_lm.models.recurrent_gemma.RecurrentBlock": {"__call__": _recurrent_block},
+}
 
 # %% ../../nbs/04b_hybrid.ipynb #4a06b55a
-_WATCHED = {}   # an mlx-lm layer class -> its watched subclass
+_WATCHED = {}  # an mlx-lm layer class -> its watched subclass
+
 
 def _watched(cls):
     "`cls` with a `__call__` that records its calls on a `RecurrentCache` (and captures every position where it may)."
@@ -309,101 +559,146 @@ def _watched(cls):
         fixes = ROW_LENGTHS.get(name, {})
         at, call = params.index("cache"), fixes.get("__call__", cls.__call__)
         can_capture, default = ("mask" in params or name in PREFIXED) and name in CAPTURABLE, name in CAPTURE_BY_DEFAULT
+
         def __call__(self, *args, **kwargs):
             cache = kwargs["cache"] if "cache" in kwargs else (args[at] if len(args) > at else None)
-            if not isinstance(cache, RecurrentCache): return call(self, *args, **kwargs)
+            if not isinstance(cache, RecurrentCache):
+                return call(self, *args, **kwargs)
             bound = dict(zip(params, args)) | kwargs
             x = bound[params[0]]
             cache._enter(self, args, kwargs, x.shape)
             try:
-                if can_capture and cache._capturable(x, bound.get("mask"), default): return cache.capture_window(self, call, bound, x)
+                if can_capture and cache._capturable(x, bound.get("mask"), default):
+                    return cache.capture_window(self, call, bound, x)
                 return call(self, *args, **kwargs)
-            finally: cache._exit()
-        _WATCHED[cls] = type(f"Watched{cls.__name__}", (cls,), fixes | {"__call__": __call__, "_watches": cls, "__module__": cls.__module__})
+            finally:
+                cache._exit()
+
+        _WATCHED[cls] = type(
+            f"Watched{cls.__name__}",
+            (cls,),
+            fixes | {"__call__": __call__, "_watches": cls, "__module__": cls.__module__},
+        )
     return _WATCHED[cls]
 
-def _takes_cache(cls)->bool:
+
+def _takes_cache(cls) -> bool:
     "Does `cls.__call__` take a `cache`? (Watched classes answer no: they are watched already.)"
     return "_watches" not in cls.__dict__ and "cache" in inspect.signature(cls.__call__).parameters
 
+
 def watch_mixers(model):
-    "Make every submodule of `model` whose `__call__` takes a `cache` record its calls on a `RecurrentCache`; returns `model`."
+    """Make every submodule of `model` whose `__call__` takes a `cache` record its calls on a `RecurrentCache`; returns
+    `model`."""
     takes = {}
     for _, m in model.named_modules():
         cls = type(m)
-        if cls not in takes: takes[cls] = _takes_cache(cls)
-        if takes[cls]: m.__class__ = _watched(cls)
+        if cls not in takes:
+            takes[cls] = _takes_cache(cls)
+        if takes[cls]:
+            m.__class__ = _watched(cls)
     return model
 
 # %% ../../nbs/04b_hybrid.ipynb #152d81ed
-def spec_recurrent(c, max_verify:int=16):
+def spec_recurrent(c, max_verify: int = 16):
     "mlx-lm's empty `ArraysCache` as a `RecurrentCache`; any other cache as it is."
-    # one that can `reserve` is converted already (by this module, or by a copy of it defined in a notebook: match the behaviour, not the class)
-    if not isinstance(c, ArraysCache) or hasattr(c, "reserve"): return c
-    if not c.empty(): raise ValueError("this ArraysCache already holds tokens, and their history is gone: make the RecurrentCache before "
-                                       "the prompt is read (make_recurrent_caches(model))")
+    # one that can `reserve` is converted already (by this module, or by a copy of it defined in a notebook: match the
+    # behaviour, not the class)
+    if not isinstance(c, ArraysCache) or hasattr(c, "reserve"):
+        return c
+    if not c.empty():
+        raise ValueError(
+            "this ArraysCache already holds tokens, and their history is gone: make the RecurrentCache before "
+            "the prompt is read (make_recurrent_caches(model))"
+        )
     return RecurrentCache(len(c.cache), max_verify)
 
-def make_recurrent_caches(model,             # an mlx-lm model (its layers get watched)
-                          max_verify:int=16, # the longest verify window (γ+1) and draft rollback planned for; `reserve` widens it
-                          cache:list|None=None, # mlx-lm's caches to map (fresh, empty); None: `make_prompt_cache(model)`
-                         )->list:
+
+def make_recurrent_caches(
+    model,  # an mlx-lm model (its layers get watched)
+    max_verify: int = 16,  # the longest verify window (γ+1) and draft rollback planned for; `reserve` widens it
+    cache: list | None = None,  # mlx-lm's caches to map (fresh, empty); None: `make_prompt_cache(model)`
+) -> list:
     "The model's caches with every recurrent one a `RecurrentCache` that speculation can roll back."
     watch_mixers(model)
     cache = make_prompt_cache(model) if cache is None else cache
     return as_spec_cache(cache, max_verify, (spec_recurrent,))
 
 # %% ../../nbs/04b_hybrid.ipynb #3908fe3f
-def timeline(c:RecurrentCache)->str:
+def timeline(c: RecurrentCache) -> str:
     "A picture of `c`'s history: each forward it can still undo, where it lies, and how a trim into it is done."
-    if not c.steps: return f"holds {c.offset} tokens; can give back none"
+    if not c.steps:
+        return f"holds {c.offset} tokens; can give back none"
     base, lines = c.steps[0].start, []
     for s in c.steps:
-        mark, how = ("●", "capture: the state after each position") if s.states is not None else ("○", "replay: the state before, the layer's inputs")
+        mark, how = (
+            ("●", "capture: the state after each position")
+            if s.states is not None
+            else ("○", "replay: the state before, the layer's inputs")
+        )
         lines.append(f"{s.start:>5}..{s.end:<5}" + " " * (s.start - base) + mark * s.size + "  " + how)
     return "\n".join(lines + [f"holds {c.offset} tokens; can give back {c.trimmable()}"])
 
 # %% ../../nbs/04b_hybrid.ipynb #e4d7cde5
-SPEC_MAPS = (spec_ring, spec_recurrent)   # each leaf cache mlx-lm builds, made one speculation can roll back
+SPEC_MAPS = (spec_ring, spec_recurrent)  # each leaf cache mlx-lm builds, made one speculation can roll back
 
-def spec_cache(model,              # the target or a draft model
-               max_verify:int,     # the longest verify window planned for (γ + 1); `reserve` widens it later
-               cache:list|None=None, # caches a caller made for `model` (a prompt cache), converted in place; None: new ones
-              )->list:
-    "`model`'s caches for speculation: sliding-window rings with slack, recurrent state that rolls back, the rest as mlx-lm makes them."
+
+def spec_cache(
+    model,  # the target or a draft model
+    max_verify: int,  # the longest verify window planned for (γ + 1); `reserve` widens it later
+    cache: list | None = None,  # caches a caller made for `model` (a prompt cache), converted in place; None: new ones
+) -> list:
+    """`model`'s caches for speculation: sliding-window rings with slack, recurrent state that rolls back, the rest as
+    mlx-lm makes them."""
     cache = make_prompt_cache(model) if cache is None else cache
-    if any(isinstance(c, ArraysCache) for c in leaves(cache)): watch_mixers(model)
+    if any(isinstance(c, ArraysCache) for c in leaves(cache)):
+        watch_mixers(model)
     return as_spec_cache(cache, max_verify, SPEC_MAPS)
 
 # %% ../../nbs/04b_hybrid.ipynb #ae432600
-def _cpu(f)->float:
+def _cpu(f) -> float:
     "CPU seconds `f()` took."
     t = time.process_time()
     f()
     return time.process_time() - t
 
-def rollback_cost(model,            # an mlx-lm model with recurrent layers (it gets watched)
-                  gamma:int,        # drafts per round: the verify window is γ+1 tokens
-                  capture:bool,     # capture in every `CAPTURABLE` layer, or always replay
-                  prompt_len:int=64, samples:int=5, reps:int=4)->tuple:
-    "`(forward, rollback)`: CPU cost of a round with a rejection on `RecurrentCache`s beyond the verify forward on mlx-lm's caches, as fractions of it."
+
+def rollback_cost(
+    model,  # an mlx-lm model with recurrent layers (it gets watched)
+    gamma: int,  # drafts per round: the verify window is γ+1 tokens
+    capture: bool,  # capture in every `CAPTURABLE` layer, or always replay
+    prompt_len: int = 64,
+    samples: int = 5,
+    reps: int = 4,
+) -> tuple:
+    """`(forward, rollback)`: CPU cost of a round with a rejection on `RecurrentCache`s beyond the verify forward on
+    mlx-lm's caches, as fractions of it."""
     plain, ours = make_prompt_cache(model), make_recurrent_caches(model, gamma + 1)
     for x in leaves(ours):
-        if isinstance(x, RecurrentCache): x.capture = capture
+        if isinstance(x, RecurrentCache):
+            x.capture = capture
     prompt, window = (mx.arange(prompt_len) * 7 % 97)[None], (mx.arange(gamma + 1) + 3)[None]
-    for c in (plain, ours): mx.eval(model(prompt, cache=c), [x.state for x in leaves(c)])
-    saved = [list(x.cache) if isinstance(x, ArraysCache) else None for x in leaves(plain)]   # a copy: layers write into the list
+    for c in (plain, ours):
+        mx.eval(model(prompt, cache=c), [x.state for x in leaves(c)])
+    saved = [
+        list(x.cache) if isinstance(x, ArraysCache) else None for x in leaves(plain)
+    ]  # a copy: layers write into the list
+
     def undo_plain():
         for x, s in zip(leaves(plain), saved):
-            if s is None: x.trim(gamma + 1)
-            else: x.cache = list(s)
+            if s is None:
+                x.trim(gamma + 1)
+            else:
+                x.cache = list(s)
+
     forward = lambda c: mx.eval(model(window, cache=c), [x.state for x in leaves(c)])
     best = [float("inf")] * 3
     for _ in range(samples):
         t = [0.0] * 3
         for _ in range(reps):
             for n in range(1, gamma + 1):
-                t[0] += _cpu(lambda: forward(plain)); undo_plain()
+                t[0] += _cpu(lambda: forward(plain))
+                undo_plain()
                 t[1] += _cpu(lambda: forward(ours))
                 t[2] += _cpu(lambda: (rollback(ours, n), mx.eval([x.state for x in leaves(ours)])))
                 rollback(ours, gamma + 1 - n)
@@ -411,30 +706,40 @@ def rollback_cost(model,            # an mlx-lm model with recurrent layers (it 
     return (best[1] - best[0]) / best[0], best[2] / best[0]
 
 # %% ../../nbs/04b_hybrid.ipynb #df07c530
-def window_cost(model,             # an mlx-lm model with recurrent layers (it gets watched)
-                window:int,        # the verify window, γ+1 tokens
-                accepted:list,     # drafts accepted, each in 0..γ: a round keeps `a+1` tokens and gives back the rest
-                designs:dict|None=None, # name -> `capture` of its caches; None: `{"capture": True, "replay": False}`
-                prompt_len:int=64, samples:int=5, reps:int=4)->dict:
-    "`{(design, a): seconds}`: CPU time of `reps` rounds (verify forward, rollback to `a` accepted drafts) on `RecurrentCache`s, the least of `samples`."
+def window_cost(
+    model,  # an mlx-lm model with recurrent layers (it gets watched)
+    window: int,  # the verify window, γ+1 tokens
+    accepted: list,  # drafts accepted, each in 0..γ: a round keeps `a+1` tokens and gives back the rest
+    designs: dict | None = None,  # name -> `capture` of its caches; None: `{"capture": True, "replay": False}`
+    prompt_len: int = 64,
+    samples: int = 5,
+    reps: int = 4,
+) -> dict:
+    """`{(design, a): seconds}`: CPU time of `reps` rounds (verify forward, rollback to `a` accepted drafts) on
+    `RecurrentCache`s, the least of `samples`."""
     designs, caches = designs or {"capture": True, "replay": False}, {}
     for name, capture in designs.items():
         caches[name] = c = make_recurrent_caches(model, window)
         for x in leaves(c):
-            if isinstance(x, RecurrentCache): x.capture = capture
+            if isinstance(x, RecurrentCache):
+                x.capture = capture
     prompt, tokens = (mx.arange(prompt_len) * 7 % 97)[None], (mx.arange(window) + 3)[None]
-    for c in caches.values(): mx.eval(model(prompt, cache=c), [x.state for x in leaves(c)])
+    for c in caches.values():
+        mx.eval(model(prompt, cache=c), [x.state for x in leaves(c)])
+
     def round_(c, a):
         mx.eval(model(tokens, cache=c), [x.state for x in leaves(c)])
         rollback(c, window - a - 1)
         mx.eval([x.state for x in leaves(c)])
+
     best = {(name, a): float("inf") for name in caches for a in accepted}
-    for s in range(samples + 1):   # sample 0 warms up and is not counted
+    for s in range(samples + 1):  # sample 0 warms up and is not counted
         t = dict.fromkeys(best, 0.0)
         for r in range(reps):
             for a in accepted:
-                for name in list(caches)[::1 if (s + r) % 2 else -1]:   # interleaved, each design first half the time
+                for name in list(caches)[:: 1 if (s + r) % 2 else -1]:  # interleaved, each design first half the time
                     t[name, a] += _cpu(lambda: round_(caches[name], a))
-                    rollback(caches[name], a + 1)   # back to the prompt
-        if s: best = {k: min(best[k], t[k]) for k in best}
+                    rollback(caches[name], a + 1)  # back to the prompt
+        if s:
+            best = {k: min(best[k], t[k]) for k in best}
     return best

@@ -11,49 +11,67 @@ __all__ = ['leaves', 'can_take', 'check_rollbackable', 'can_rollback', 'rollback
 from mlx_lm.models.cache import RotatingKVCache
 
 # %% ../../nbs/04_rollback.ipynb #5e1f0a28
-def leaves(cache:list):
+def leaves(cache: list):
     "The individual caches of `cache`, looking inside mlx-lm's `CacheList` containers."
     for c in cache:
-        if hasattr(c, "caches"): yield from leaves(c.caches)
-        else: yield c
+        if hasattr(c, "caches"):
+            yield from leaves(c.caches)
+        else:
+            yield c
 
 # %% ../../nbs/04_rollback.ipynb #a9692241
-def _room(c, n:int)->bool:
-    "Can this one cache take `n` more tokens and give them back? A cache built for speculation makes the room (`reserve`)."
+def _room(c, n: int) -> bool:
+    """Can this one cache take `n` more tokens and give them back? A cache built for speculation makes the room
+    (`reserve`)."""
     if hasattr(c, "reserve"):
         c.reserve(n)
         return True
-    if isinstance(c, RotatingKVCache): return c.offset + n < c.max_size   # mlx-lm's ring would wrap: trimming could not undo it
+    if isinstance(c, RotatingKVCache):
+        return c.offset + n < c.max_size  # mlx-lm's ring would wrap: trimming could not undo it
     return c.is_trimmable()
 
-def can_take(cache:list, n:int)->bool:
-    "Can every cache take `n` more tokens and still be trimmed back? Caches built for speculation make room first."
-    return all([_room(c, n) for c in leaves(cache)])   # a list, not a generator: every cache reserves, even after a refusal
 
-def check_rollbackable(cache:list):
+def can_take(cache: list, n: int) -> bool:
+    "Can every cache take `n` more tokens and still be trimmed back? Caches built for speculation make room first."
+    return all(
+        [_room(c, n) for c in leaves(cache)]
+    )  # a list, not a generator: every cache reserves, even after a refusal
+
+
+def check_rollbackable(cache: list):
     "Raise `ValueError` naming the cache type if the target has caches no rollback can ever trim."
     for c in leaves(cache):
         if not hasattr(c, "reserve") and not isinstance(c, RotatingKVCache) and not c.is_trimmable():
-            raise ValueError(f"the target's {type(c).__name__} cannot be rolled back (recurrent or state-space layers keep no "
-                             "per-token history), so it cannot verify drafts; use specnb.generate (plain decoding) for this model")
+            raise ValueError(
+                f"the target's {type(c).__name__} cannot be rolled back (recurrent or state-space layers keep no "
+                "per-token history), so it cannot verify drafts; use specnb.generate (plain decoding) for this model"
+            )
 
 # %% ../../nbs/04_rollback.ipynb #e4a1b2c4
-def _gives_back(c, n:int)->bool:
+def _gives_back(c, n: int) -> bool:
     "Can this one cache trim exactly its last `n` tokens, now?"
-    if hasattr(c, "trimmable"): return c.trimmable() >= n
+    if hasattr(c, "trimmable"):
+        return c.trimmable() >= n
     return c.is_trimmable() and getattr(c, "offset", n) >= n
 
-def can_rollback(cache:list, n:int)->bool:
-    "Can every cache give back exactly its last `n` tokens now? (E.g. a saved prompt cache that must drop its last token.)"
+
+def can_rollback(cache: list, n: int) -> bool:
+    """Can every cache give back exactly its last `n` tokens now? (E.g. a saved prompt cache that must drop its last
+    token.)"""
     return all(_gives_back(c, n) for c in leaves(cache))
 
-def rollback(cache:list, n:int):
+
+def rollback(cache: list, n: int):
     "Trim the last `n` tokens from every cache; raise, touching none, if any cannot give back exactly `n`."
-    if n == 0: return
+    if n == 0:
+        return
     flat = list(leaves(cache))
-    # a wrapped mlx-lm RotatingKVCache would "trim" by moving its offset while the overwritten tokens stay lost: refuse first
+    # a wrapped mlx-lm RotatingKVCache would "trim" by moving its offset while the overwritten tokens stay lost: refuse
+    # first
     stuck = sorted({type(c).__name__ for c in flat if not _gives_back(c, n)})
-    if stuck: raise RuntimeError(f"cannot roll back {n} tokens: {', '.join(stuck)} can no longer be trimmed that far")
+    if stuck:
+        raise RuntimeError(f"cannot roll back {n} tokens: {', '.join(stuck)} can no longer be trimmed that far")
     for c in flat:
         got = c.trim(n)
-        if got != n: raise RuntimeError(f"{type(c).__name__} trimmed {got} of {n} tokens: the cache would keep rejected drafts")
+        if got != n:
+            raise RuntimeError(f"{type(c).__name__} trimmed {got} of {n} tokens: the cache would keep rejected drafts")

@@ -14,48 +14,63 @@ from mlx_lm.models.cache import _BaseCache, CacheList, RotatingKVCache, make_pro
 
 # %% ../../nbs/04a_sliding_window.ipynb #ad821ced
 class SpecRotatingKVCache(_BaseCache):
-    "A sliding-window KV ring with slack: the `window-1` tokens the next query reads, plus room for a whole verify window."
-    step = 256   # slots allocated at a time until the ring is full, as in mlx-lm's caches
+    """A sliding-window KV ring with slack: the `window-1` tokens the next query reads, plus room for a whole verify
+    window."""
 
-    def __init__(self,
-                 window:int,     # tokens each query attends to, itself included: the layer's sliding window
-                 max_verify:int, # the longest window written in place and always trimmable back (`reserve` widens it)
-                ):
-        if window < 1: raise ValueError(f"window must be >= 1, got {window}")
-        if max_verify < 1: raise ValueError(f"max_verify must be >= 1, got {max_verify}")
+    step = 256  # slots allocated at a time until the ring is full, as in mlx-lm's caches
+
+    def __init__(
+        self,
+        window: int,  # tokens each query attends to, itself included: the layer's sliding window
+        max_verify: int,  # the longest window written in place and always trimmable back (`reserve` widens it)
+    ):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        if max_verify < 1:
+            raise ValueError(f"max_verify must be >= 1, got {max_verify}")
         self.window, self.capacity = window, window - 1 + max_verify
         self.keys = self.values = None
-        self.offset = 0   # tokens held: the position of the next token
-        self._lo = 0      # the oldest position the ring is sure to hold (0 until a slot was reused)
-        self._used = 0    # slots attention reads: min(capacity, the highest position ever written + 1)
+        self.offset = 0  # tokens held: the position of the next token
+        self._lo = 0  # the oldest position the ring is sure to hold (0 until a slot was reused)
+        self._used = 0  # slots attention reads: min(capacity, the highest position ever written + 1)
 
     @property
-    def max_verify(self)->int: return self.capacity - self.window + 1
+    def max_verify(self) -> int:
+        return self.capacity - self.window + 1
 
-    def __repr__(self): return f"SpecRotatingKVCache(window={self.window}, max_verify={self.max_verify}, offset={self.offset})"
+    def __repr__(self):
+        return f"SpecRotatingKVCache(window={self.window}, max_verify={self.max_verify}, offset={self.offset})"
 
     @property
-    def state(self): return self.keys, self.values, self.offset, self.window, self.capacity, self._lo, self._used
+    def state(self):
+        return self.keys, self.values, self.offset, self.window, self.capacity, self._lo, self._used
 
     @state.setter
-    def state(self, v): self.keys, self.values, self.offset, self.window, self.capacity, self._lo, self._used = v
+    def state(self, v):
+        self.keys, self.values, self.offset, self.window, self.capacity, self._lo, self._used = v
 
     @property
-    def nbytes(self)->int: return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
-    def size(self)->int: return min(self.offset, self.window)
-    def empty(self)->bool: return self.keys is None
+    def size(self) -> int:
+        return min(self.offset, self.window)
+
+    def empty(self) -> bool:
+        return self.keys is None
 
 # %% ../../nbs/04a_sliding_window.ipynb #4433d1e1
 @patch
-def _runs(self:SpecRotatingKVCache, a:int, m:int)->list:
-    "`(slot, length, i)` runs of slots holding positions `a..a+m-1` (m ≤ capacity): position p lives in slot p % capacity."
+def _runs(self: SpecRotatingKVCache, a: int, m: int) -> list:
+    """`(slot, length, i)` runs of slots holding positions `a..a+m-1` (m ≤ capacity): position p lives in slot p %
+    capacity."""
     s = a % self.capacity
     first = min(m, self.capacity - s)
     return [(s, first, 0)] + ([(0, m - first, first)] if first < m else [])
 
+
 @patch
-def _write(self:SpecRotatingKVCache, keys, values, a:int):
+def _write(self: SpecRotatingKVCache, keys, values, a: int):
     "Store the keys and values of positions `a..a+m-1` (m ≤ capacity) in their slots, growing the buffers as needed."
     m = keys.shape[2]
     used = min(self.capacity, max(self._used, a + m))
@@ -68,33 +83,36 @@ def _write(self:SpecRotatingKVCache, keys, values, a:int):
         self.keys = grow_k if self.keys is None else mx.concatenate([self.keys, grow_k], axis=2)
         self.values = grow_v if self.values is None else mx.concatenate([self.values, grow_v], axis=2)
     for s, n, i in self._runs(a, m):
-        self.keys[..., s:s + n, :] = keys[..., i:i + n, :]
-        self.values[..., s:s + n, :] = values[..., i:i + n, :]
+        self.keys[..., s : s + n, :] = keys[..., i : i + n, :]
+        self.values[..., s : s + n, :] = values[..., i : i + n, :]
     self._used = used
 
-@patch
-def _read(self:SpecRotatingKVCache, a:int, m:int)->tuple:
-    "The keys and values of positions `a..a+m-1`, in order."
-    runs = self._runs(a, m)
-    ks = [self.keys[..., s:s + n, :] for s, n, _ in runs]
-    vs = [self.values[..., s:s + n, :] for s, n, _ in runs]
-    return (ks[0], vs[0]) if len(runs) == 1 else (mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2))
 
 @patch
-def kept(self:SpecRotatingKVCache, newest:int)->tuple:
-    "The keys and values of the last `newest` positions the ring holds for sure (fewer right after it reused slots), in order: what a reader outside the target, such as a KV-borrowing drafter, may attend over."
-    lo = max(self.offset - newest, self._lo, 0)   # slack slots past `offset` hold rejected drafts: never read
+def _read(self: SpecRotatingKVCache, a: int, m: int) -> tuple:
+    "The keys and values of positions `a..a+m-1`, in order."
+    runs = self._runs(a, m)
+    ks = [self.keys[..., s : s + n, :] for s, n, _ in runs]
+    vs = [self.values[..., s : s + n, :] for s, n, _ in runs]
+    return (ks[0], vs[0]) if len(runs) == 1 else (mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2))
+
+
+@patch
+def kept(self: SpecRotatingKVCache, newest: int) -> tuple:
+    """The keys and values of the last `newest` positions the ring holds for sure (fewer right after it reused slots),
+    in order: what a reader outside the target, such as a KV-borrowing drafter, may attend over."""
+    lo = max(self.offset - newest, self._lo, 0)  # slack slots past `offset` hold rejected drafts: never read
     return self._read(lo, self.offset - lo)
 
 # %% ../../nbs/04a_sliding_window.ipynb #aa119912
 @patch
-def update_and_fetch(self:SpecRotatingKVCache, keys, values)->tuple:
+def update_and_fetch(self: SpecRotatingKVCache, keys, values) -> tuple:
     "Take `N` new positions; return the keys and values their queries attend over (the mask says which each one sees)."
     N, o = keys.shape[2], self.offset
-    if N <= self.max_verify:   # in place: the ring's other slots still hold the window-1 positions before `o`
+    if N <= self.max_verify:  # in place: the ring's other slots still hold the window-1 positions before `o`
         self._write(keys, values, o)
-        out = self.keys[..., :self._used, :], self.values[..., :self._used, :]
-    else:                      # a long chunk (prefill): the window-1 positions before it, then the chunk, in order
+        out = self.keys[..., : self._used, :], self.values[..., : self._used, :]
+    else:  # a long chunk (prefill): the window-1 positions before it, then the chunk, in order
         h = min(o, self.window - 1)
         if h:
             k, v = self._read(o - h, h)
@@ -108,87 +126,111 @@ def update_and_fetch(self:SpecRotatingKVCache, keys, values)->tuple:
 
 # %% ../../nbs/04a_sliding_window.ipynb #45d4bf8b
 @patch
-def positions(self:SpecRotatingKVCache, N:int)->mx.array:
+def positions(self: SpecRotatingKVCache, N: int) -> mx.array:
     "The position each key holds that `update_and_fetch` of `N` new tokens returns (negative: a slot never written)."
     o, end = self.offset, self.offset + N
-    if N > self.max_verify: return mx.arange(o - min(o, self.window - 1), end)
+    if N > self.max_verify:
+        return mx.arange(o - min(o, self.window - 1), end)
     used = min(self.capacity, max(self._used, end))
     return (end - 1) - ((end - 1 - mx.arange(used)) % self.capacity)
 
+
 @patch
-def make_mask(self:SpecRotatingKVCache, N:int, window_size:int|None=None, return_array:bool=False):
+def make_mask(self: SpecRotatingKVCache, N: int, window_size: int | None = None, return_array: bool = False):
     "Each of the `N` new queries sees exactly its own window among the keys `update_and_fetch` returns."
-    # a model's window larger than the ring's (plamo3 passes window+1) is cut to it, as plain decoding on mlx-lm's ring does
+    # a model's window larger than the ring's (plamo3 passes window+1) is cut to it, as plain decoding on mlx-lm's ring
+    # does
     W = self.window if window_size is None else min(window_size, self.window)
     pos, end = self.positions(N), self.offset + N
-    if not return_array and pos.size == end and end <= W:   # the keys are positions 0..end-1, inside every window
+    if not return_array and pos.size == end and end <= W:  # the keys are positions 0..end-1, inside every window
         return None if N == 1 else "causal"
     q = mx.arange(self.offset, end)[:, None]
     return (pos >= 0) & (pos <= q) & (pos > q - W)
 
 # %% ../../nbs/04a_sliding_window.ipynb #3739709f
-def ring_picture(c:SpecRotatingKVCache, n:int)->str:
-    "The keys a window of `n` new tokens attends over: the position each holds, and which of them each query sees (`#`)."
+def ring_picture(c: SpecRotatingKVCache, n: int) -> str:
+    """The keys a window of `n` new tokens attends over: the position each holds, and which of them each query sees
+    (`#`)."""
     pos, mask = c.positions(n).tolist(), c.make_mask(n, return_array=True).tolist()
     row = lambda label, xs: f"{label:<9}" + "".join(f"{x:>4}" for x in xs)
     show = lambda ps: [p if p >= 0 else "-" for p in ps]
     if n <= c.max_verify:
         before = c.positions(0).tolist()
-        lines = [f"window {c.window}, {c.capacity} slots, offset {c.offset}: {n} tokens written in place",
-                 row("slot", range(len(pos))), row("before", show(before) + ["-"] * (len(pos) - len(before))), row("after", show(pos))]
-    else: lines = [f"window {c.window}, offset {c.offset}: a chunk of {n}, after the {c.window - 1} positions before it", row("key", show(pos))]
+        lines = [
+            f"window {c.window}, {c.capacity} slots, offset {c.offset}: {n} tokens written in place",
+            row("slot", range(len(pos))),
+            row("before", show(before) + ["-"] * (len(pos) - len(before))),
+            row("after", show(pos)),
+        ]
+    else:
+        lines = [
+            f"window {c.window}, offset {c.offset}: a chunk of {n}, after the {c.window - 1} positions before it",
+            row("key", show(pos)),
+        ]
     return "\n".join(lines + [row(f"query {c.offset + i}", ["#" if b else "·" for b in r]) for i, r in enumerate(mask)])
 
 # %% ../../nbs/04a_sliding_window.ipynb #cf617508
 @patch
-def trimmable(self:SpecRotatingKVCache)->int:
-    "How many tokens `trim` can give back now: as many as keep the window-1 positions before the new offset in the ring."
+def trimmable(self: SpecRotatingKVCache) -> int:
+    """How many tokens `trim` can give back now: as many as keep the window-1 positions before the new offset in the
+    ring."""
     return self.offset - (self._lo + self.window - 1 if self._lo else 0)
 
+
 @patch
-def trim(self:SpecRotatingKVCache, n:int)->int:
+def trim(self: SpecRotatingKVCache, n: int) -> int:
     "Give back the last `n` tokens, at most `trimmable()`; returns how many were given back."
     n = max(0, min(n, self.trimmable()))
     self.offset -= n
     return n
 
+
 @patch
-def is_trimmable(self:SpecRotatingKVCache)->bool:
+def is_trimmable(self: SpecRotatingKVCache) -> bool:
     "mlx-lm's question: can *any* trim be undone? Only until a slot is reused (`trimmable()` then says how far)."
     return self._lo == 0
 
 # %% ../../nbs/04a_sliding_window.ipynb #7d2869d2
 @patch
-def reserve(self:SpecRotatingKVCache, n:int):
+def reserve(self: SpecRotatingKVCache, n: int):
     "Make room for a window of `n` tokens written in place and trimmable back: widen the slack if `n > max_verify`."
-    if n <= self.max_verify: return
+    if n <= self.max_verify:
+        return
     h = min(self.offset, self.window - 1)
     kv = self._read(self.offset - h, h) if h else None
     self.capacity, self.keys, self.values, self._used = self.window - 1 + n, None, None, 0
-    if kv: self._write(*kv, self.offset - h)
+    if kv:
+        self._write(*kv, self.offset - h)
     self._lo = self.offset - h if self.offset > h else 0
 
 # %% ../../nbs/04a_sliding_window.ipynb #79c6a444
-def spec_ring(c, max_verify:int):
-    "mlx-lm's `RotatingKVCache` as a `SpecRotatingKVCache` holding the same tokens; other caches (and rings that keep sinks) as they are."
-    if not isinstance(c, RotatingKVCache) or c.keep: return c
+def spec_ring(c, max_verify: int):
+    """mlx-lm's `RotatingKVCache` as a `SpecRotatingKVCache` holding the same tokens; other caches (and rings that keep
+    sinks) as they are."""
+    if not isinstance(c, RotatingKVCache) or c.keep:
+        return c
     ring = SpecRotatingKVCache(c.max_size, max_verify)
     h = min(c.offset, ring.window - 1)
-    if h:   # the newest window-1 positions, in order
+    if h:  # the newest window-1 positions, in order
         ring._write(c._temporal_order(c.keys)[..., -h:, :], c._temporal_order(c.values)[..., -h:, :], c.offset - h)
     ring.offset = c.offset
     ring._lo = c.offset - h if c.offset > h else 0
     return ring
 
+
 def _map_leaves(c, f):
     "`f` applied to every leaf cache, looking inside mlx-lm's `CacheList` containers."
     return CacheList(*(_map_leaves(x, f) for x in c.caches)) if isinstance(c, CacheList) else f(c)
 
-def as_spec_cache(cache:list, max_verify:int, maps=(spec_ring,))->list:
-    "Make `cache` a list speculation can always roll back, in place: every leaf through each `f(leaf, max_verify)` of `maps`."
-    for f in maps: cache[:] = [_map_leaves(c, lambda x: f(x, max_verify)) for c in cache]
+
+def as_spec_cache(cache: list, max_verify: int, maps=(spec_ring,)) -> list:
+    """Make `cache` a list speculation can always roll back, in place: every leaf through each `f(leaf, max_verify)` of
+    `maps`."""
+    for f in maps:
+        cache[:] = [_map_leaves(c, lambda x: f(x, max_verify)) for c in cache]
     return cache
 
-def make_spec_cache(model, max_verify:int, maps=(spec_ring,))->list:
+
+def make_spec_cache(model, max_verify: int, maps=(spec_ring,)) -> list:
     "mlx-lm's caches for `model` (`make_prompt_cache`), every sliding-window ring made a `SpecRotatingKVCache`."
     return as_spec_cache(make_prompt_cache(model), max_verify, maps)

@@ -18,61 +18,80 @@ from .memory import PromptCache, held_by, mib
 # %% ../../nbs/08ea_admission.ipynb #ee7bda7e
 class Admission:
     "The worker's queue and the jobs it holds until each is answered; what may start, by the memory budget."
-    def __init__(self, footprints:tuple, # the target's and the draft's `Footprint` (08e's `measure_footprints`)
-                 speculates:bool,         # a draft source: a request with `num_draft_tokens` > 0 holds its caches too
-                 cache:PromptCache,       # the prompt cache: it gives way when a job needs the room
-                 metrics,                 # the worker's `Metrics` (08f)
-                 budget:int,              # bytes the weights, the running jobs and the prompt cache may hold together
-                 resident:int,            # bytes held before any request: the weights
-                 max_batch_size:int=1,    # jobs running at once
-                 max_queue:int=ServeOptions.max_queue): # jobs waiting beyond those
+
+    def __init__(
+        self,
+        footprints: tuple,  # the target's and the draft's `Footprint` (08e's `measure_footprints`)
+        speculates: bool,  # a draft source: a request with `num_draft_tokens` > 0 holds its caches too
+        cache: PromptCache,  # the prompt cache: it gives way when a job needs the room
+        metrics,  # the worker's `Metrics` (08f)
+        budget: int,  # bytes the weights, the running jobs and the prompt cache may hold together
+        resident: int,  # bytes held before any request: the weights
+        max_batch_size: int = 1,  # jobs running at once
+        max_queue: int = ServeOptions.max_queue,
+    ):  # jobs waiting beyond those
         self.footprints, self.speculates, self.cache, self.metrics = footprints, speculates, cache, metrics
         self.budget, self.resident = budget, resident
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
-        self.jobs = queue.Queue()   # submitted, not yet taken
-        self.waiting = None         # a job taken from the queue that waits at its head for memory
-        self.active = {}            # the running jobs, with their runs (one at a time: one, with None)
-        self.live = set()           # every job not yet answered: queued, waiting or running
+        self.jobs = queue.Queue()  # submitted, not yet taken
+        self.waiting = None  # a job taken from the queue that waits at its head for memory
+        self.active = {}  # the running jobs, with their runs (one at a time: one, with None)
+        self.live = set()  # every job not yet answered: queued, waiting or running
 
-    def queued(self)->int: return self.jobs.qsize() + (self.waiting is not None)
-    def running(self)->int: return len(self.active)
+    def queued(self) -> int:
+        return self.jobs.qsize() + (self.waiting is not None)
+
+    def running(self) -> int:
+        return len(self.active)
 
     @property
-    def held(self)->int:
+    def held(self) -> int:
         "Bytes the running jobs are admitted with."
         return held_by([j.reserved for j in self.active])
 
-    def room(self, jobs:list=())->int:
+    def room(self, jobs: list = ()) -> int:
         "Bytes the budget leaves beside the weights and `jobs` running together."
         return self.budget - self.resident - held_by([j.reserved for j in jobs])
 
 # %% ../../nbs/08ea_admission.ipynb #1bea2807
 @patch
-def estimate(self:Admission, n_prompt:int, max_tokens:int, num_draft_tokens:int)->int:
+def estimate(self: Admission, n_prompt: int, max_tokens: int, num_draft_tokens: int) -> int:
     "Bytes a request holds at its longest: the target's caches and, when it speculates, the draft's."
     width = max(num_draft_tokens, 1) + 1
     n = n_prompt + max_tokens + width
     target = self.footprints[0].bytes(n, width)
-    if not self.speculates or num_draft_tokens == 0: return target
+    if not self.speculates or num_draft_tokens == 0:
+        return target
     return target + self.footprints[1].bytes(n, 2 * width)
 
 # %% ../../nbs/08ea_admission.ipynb #7e621e08
 @patch
-def submit(self:Admission, *jobs:Job):
+def submit(self: Admission, *jobs: Job):
     "Queue a request's jobs, all or none: 400 if together they could never fit the budget, 503 when the queue is full."
-    for job in jobs: job.reserved = self.estimate(len(job.prompt), job.max_tokens, job.num_draft_tokens)
+    for job in jobs:
+        job.reserved = self.estimate(len(job.prompt), job.max_tokens, job.num_draft_tokens)
     need, room, job = held_by([j.reserved for j in jobs]), self.room(), jobs[0]
     if need > room:
         n = f"n = {len(jobs)} choices of " if len(jobs) > 1 else ""
-        raise APIError(400, f"this request would hold about {mib(need)} ({n}{len(job.prompt)} prompt tokens + "
-                       f"max_tokens {job.max_tokens}), more than the {mib(max(room, 0))} this server's memory budget "
-                       f"({mib(self.budget)}) leaves beside its weights; lower max_tokens{', n' if n else ''} "
-                       "or shorten the prompt", "max_tokens", "memory_budget_exceeded")
+        raise APIError(
+            400,
+            f"this request would hold about {mib(need)} ({n}{len(job.prompt)} prompt tokens + "
+            f"max_tokens {job.max_tokens}), more than the {mib(max(room, 0))} this server's memory budget "
+            f"({mib(self.budget)}) leaves beside its weights; lower max_tokens{', n' if n else ''} "
+            "or shorten the prompt",
+            "max_tokens",
+            "memory_budget_exceeded",
+        )
     if len(self.live) + len(jobs) > self.max_batch_size + self.max_queue:
         self.metrics.refused.labels("queue_full").inc()
-        raise APIError(503, f"the server is busy: {len(self.live)} requests are running or waiting (at most "
-                       f"{self.max_batch_size} running and {self.max_queue} waiting); retry shortly",
-                       type="server_error", code="queue_full", headers={"Retry-After": "1"})
+        raise APIError(
+            503,
+            f"the server is busy: {len(self.live)} requests are running or waiting (at most "
+            f"{self.max_batch_size} running and {self.max_queue} waiting); retry shortly",
+            type="server_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
     for job in jobs:
         self.live.add(job)
         self.jobs.put_nowait(job)
@@ -80,61 +99,72 @@ def submit(self:Admission, *jobs:Job):
 
 # %% ../../nbs/08ea_admission.ipynb #b7a895b6
 @patch
-def take(self:Admission, batch, wait:float|None=None)->list|None:
+def take(self: Admission, batch, wait: float | None = None) -> list | None:
     "The queued jobs that join `batch` now, by its room and the budget; None when told to stop."
     taken = []
     while len(batch) + len(taken) < self.max_batch_size:
         job, self.waiting = self.waiting, None
         if job is None:
             idle = not len(batch) and not batch.early and not taken
-            try: job = self.jobs.get(block=idle, timeout=wait if idle else None)
-            except queue.Empty: break
-            if job is None:   # stopping: `close` has cancelled every job
-                for j in taken: self.drop(j)
+            try:
+                job = self.jobs.get(block=idle, timeout=wait if idle else None)
+            except queue.Empty:
+                break
+            if job is None:  # stopping: `close` has cancelled every job
+                for j in taken:
+                    self.drop(j)
                 return None
         if job.stop_here():
             self.drop(job)
             continue
         need = self.room([*self.active, *taken, job])
         if (self.active or taken) and need < 0:
-            self.waiting = job   # at the head of the queue, until someone leaves
+            self.waiting = job  # at the head of the queue, until someone leaves
             break
-        self.cache.shrink(need)   # make room: the prompt cache gives way
+        self.cache.shrink(need)  # make room: the prompt cache gives way
         taken.append(job)
     self.metrics.queue_depth.set(self.queued())
     return taken
 
 # %% ../../nbs/08ea_admission.ipynb #765b52df
 @patch
-def start(self:Admission, job:Job, run=None):
+def start(self: Admission, job: Job, run=None):
     "The job runs (with its run, batched): it holds its reservation."
     self.active[job] = run
     self.metrics.running.inc()
 
-@patch
-def release(self:Admission, job:Job):
-    "The job no longer runs: its reservation is free (nothing if it was not running)."
-    if self.active.pop(job, False) is not False: self.metrics.running.dec()
 
 @patch
-def answered(self:Admission, job:Job):
+def release(self: Admission, job: Job):
+    "The job no longer runs: its reservation is free (nothing if it was not running)."
+    if self.active.pop(job, False) is not False:
+        self.metrics.running.dec()
+
+
+@patch
+def answered(self: Admission, job: Job):
     "The job has had its last event: it holds nothing, and nobody has to answer it again."
     self.release(job)
     self.live.discard(job)
 
+
 @patch
-def drop(self:Admission, job:Job):
+def drop(self: Admission, job: Job):
     "A job stopped before it ran: its client is told why (nobody is told when the client left)."
     self.live.discard(job)
     self.metrics.requests.labels(job.endpoint, job.error.code if job.error else "cancelled").inc()
-    if job.error is not None: job.emit("error", job.error)
+    if job.error is not None:
+        job.emit("error", job.error)
+
 
 @patch
-def clear(self:Admission)->list:
+def clear(self: Admission) -> list:
     "Empty the queue and forget every job: the ones not yet answered, for the caller to answer."
     while True:
-        try: self.jobs.get_nowait()
-        except queue.Empty: break
+        try:
+            self.jobs.get_nowait()
+        except queue.Empty:
+            break
     left = list(self.live)
     self.live.clear()
     return left

@@ -18,15 +18,21 @@ from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from pydantic import BaseModel
 from xgrammar.builtin_structural_tag import get_model_structural_tag
 from xgrammar.structural_tag import GrammarFormat, JSONSchemaFormat, SequenceFormat, StructuralTag, TagFormat
-try: from xgrammar.testing import _json_schema_to_ebnf   # private (test_structure.FOREIGN_PRIVATE): a later xgrammar may not have it
-except ImportError: _json_schema_to_ebnf = None
+
+try:
+    from xgrammar.testing import (
+        _json_schema_to_ebnf,
+    )  # private (test_structure.FOREIGN_PRIVATE): a later xgrammar may not have it
+except ImportError:
+    _json_schema_to_ebnf = None
 from fastcore.basics import patch
 from ..detok import DecodedText
 from ..grammar import from_structural_tag
 from .protocol import APIError
 
 # %% ../../nbs/08ca_answer.ipynb #7ac19e22
-QWEN_STYLE_TEMPLATE = r'''{%- if tools %}
+# Qwen3.5's shape, cut to what the examples need
+QWEN_STYLE_TEMPLATE = r"""{%- if tools %}
 {{- '<|im_start|>system\n' }}
 {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
 {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n<tools>' }}
@@ -55,8 +61,9 @@ QWEN_STYLE_TEMPLATE = r'''{%- if tools %}
 {{- '<|im_start|>assistant\n' }}
 {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- else %}{{- '<think>\n' }}{%- endif %}
 {%- endif %}
-'''   # Qwen3.5's shape, cut to what the examples need
-GEMMA_STYLE_TEMPLATE = r'''{%- macro value(v) %}{%- if v is string %}<|"|>{{ v }}<|"|>{%- else %}{{ v | tojson }}{%- endif %}{%- endmacro %}
+"""  # noqa: E501 (a template's lines are its own)
+# Gemma 4's markers and call syntax, cut to what the examples need
+GEMMA_STYLE_TEMPLATE = r"""{%- macro value(v) %}{%- if v is string %}<|"|>{{ v }}<|"|>{%- else %}{{ v | tojson }}{%- endif %}{%- endmacro %}
 {%- for message in messages %}
 {{- '<start_of_turn>' + ('model' if message.role == 'assistant' else message.role) + '\n' }}
 {%- if loop.first and tools %}
@@ -77,16 +84,24 @@ GEMMA_STYLE_TEMPLATE = r'''{%- macro value(v) %}{%- if v is string %}<|"|>{{ v }
 {%- if add_generation_prompt %}
 {{- '<start_of_turn>model\n' }}
 {%- if not (enable_thinking is defined and enable_thinking is false) %}{{- '<|channel>thought\n' }}{%- endif %}
-{%- endif %}'''   # Gemma 4's markers and call syntax, cut to what the examples need
+{%- endif %}"""  # noqa: E501 (a template's lines are its own)
 
-STYLES = {"qwen": (["<think>", "</think>", "<tool_call>", "</tool_call>"], QWEN_STYLE_TEMPLATE),
-          "gemma": (['<|channel>', '<channel|>', '<|tool_call>', '<tool_call|>', '<|"|>', '<|tool_response>', '<tool_response|>'], GEMMA_STYLE_TEMPLATE)}
+STYLES = {
+    "qwen": (["<think>", "</think>", "<tool_call>", "</tool_call>"], QWEN_STYLE_TEMPLATE),
+    "gemma": (
+        ["<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|tool_response>", "<tool_response|>"],
+        GEMMA_STYLE_TEMPLATE,
+    ),
+}
 
-def chat_style_folder(dst, style:str="qwen", which:str="target")->Path:
-    "The bundled target (or draft) as a thinking, tool-calling model of a family's `style` ('qwen' or 'gemma'): its markers added to the vocabulary, a chat template of that family."
+
+def chat_style_folder(dst, style: str = "qwen", which: str = "target") -> Path:
+    """The bundled target (or draft) as a thinking, tool-calling model of a family's `style` ('qwen' or 'gemma'): its
+    markers added to the vocabulary, a chat template of that family."""
     import mlx.core as mx
     from transformers import AutoTokenizer
     from specnb.models import bundled_dir
+
     markers, template = STYLES[style]
     src, dst = bundled_dir(which), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -102,70 +117,100 @@ def chat_style_folder(dst, style:str="qwen", which:str="target")->Path:
     (dst / "config.json").write_text(json.dumps({**cfg, "vocab_size": len(tok)}))
     return dst
 
-def qwen_style_folder(dst, which:str="target")->Path: return chat_style_folder(dst, "qwen", which)
+
+def qwen_style_folder(dst, which: str = "target") -> Path:
+    return chat_style_folder(dst, "qwen", which)
 
 # %% ../../nbs/08ca_answer.ipynb #3e7a52c8
-def initial_state(tokenizer, prompt:list)->str:
+def initial_state(tokenizer, prompt: list) -> str:
     "'reasoning' when the prompt ends inside an open think block (the template opened it), else 'normal'."
-    if getattr(tokenizer, "has_thinking", False) and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt): return "reasoning"
+    if getattr(tokenizer, "has_thinking", False) and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(
+        prompt
+    ):
+        return "reasoning"
     return "normal"
 
 # %% ../../nbs/08ca_answer.ipynb #d3228f91
-def _call(parsed:dict, index:int|None)->dict:
+def _call(parsed: dict, index: int | None) -> dict:
     "One parsed call as OpenAI's `tool_calls` entry (arguments as JSON text); streamed entries carry their `index`."
     args = parsed.get("arguments", {})
-    out = {"id": parsed.get("id") or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-           "function": {"name": parsed["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+    out = {
+        "id": parsed.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {
+            "name": parsed["name"],
+            "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+        },
+    }
     return out if index is None else {"index": index, **out}
 
-def _machine(tokenizer, tools:bool)->TextStateMachine:
+
+def _machine(tokenizer, tools: bool) -> TextStateMachine:
     "mlx-lm's state machine for this tokenizer; without `tools`, its thinking transitions only (a call is then text)."
-    if tools: return make_text_state_machine(tokenizer)
-    if not getattr(tokenizer, "has_thinking", False): return TextStateMachine({})
-    return TextStateMachine({"normal": [(tokenizer.think_start, "reasoning")], "reasoning": [(tokenizer.think_end, "normal")]})
+    if tools:
+        return make_text_state_machine(tokenizer)
+    if not getattr(tokenizer, "has_thinking", False):
+        return TextStateMachine({})
+    return TextStateMachine(
+        {"normal": [(tokenizer.think_start, "reasoning")], "reasoning": [(tokenizer.think_end, "normal")]}
+    )
+
 
 class Turn:
-    "The assistant's text, split as it arrives into reasoning, content and tool calls — mlx-lm's text state machine and the tokenizer's tool parser."
-    def __init__(self, tokenizer, tools=None, initial:str="normal", streamed:bool=False, parse_tools:bool=True):
+    """The assistant's text, split as it arrives into reasoning, content and tool calls — mlx-lm's text state machine
+    and the tokenizer's tool parser."""
+
+    def __init__(
+        self, tokenizer, tools=None, initial: str = "normal", streamed: bool = False, parse_tools: bool = True
+    ):
         self.tokenizer, self.tools, self.streamed = tokenizer, tools, streamed
         self.parse = parse_tools and getattr(tokenizer, "has_tool_calling", False)
         self.state = _machine(tokenizer, self.parse).make_state(initial)
         self.prev, self.tool_text, self.n_calls = initial, "", 0
 
-    def push(self, text:str)->dict:
+    def push(self, text: str) -> dict:
         "What `text` adds: `{'content': …, 'reasoning': …, 'tool_calls': […]}` (empty fields left out)."
         self.state, segments = TextStateMachine.split(self.state, text)
         return self._delta(segments)
 
-    def close(self)->dict:
+    def close(self) -> dict:
         "The end of the text: what was held back, and a call left open."
         self.state, rest, s = TextStateMachine.flush(self.state)
         delta = self._delta([(s, rest)])
-        if self.prev == "tool": merge_delta(delta, self._end_call(closed=False))
+        if self.prev == "tool":
+            merge_delta(delta, self._end_call(closed=False))
         return delta
 
 # %% ../../nbs/08ca_answer.ipynb #a53005ee
-def merge_delta(into:dict, more:dict)->dict:
+def merge_delta(into: dict, more: dict) -> dict:
     "Add delta `more` to delta `into`: text fields joined, calls appended."
     for k, v in more.items():
-        if k == "tool_calls": into.setdefault(k, []).extend(v)
-        elif v: into[k] = into.get(k, "") + v
+        if k == "tool_calls":
+            into.setdefault(k, []).extend(v)
+        elif v:
+            into[k] = into.get(k, "") + v
     return into
 
+
 @patch
-def _delta(self:Turn, segments:list)->dict:
+def _delta(self: Turn, segments: list) -> dict:
     "The delta of the state machine's `(state, text)` segments."
     out = {}
     for state, text in segments:
-        if self.prev == "tool" and state != "tool": merge_delta(out, self._end_call(closed=True))
-        if state == "tool": self.tool_text += text
-        elif text: merge_delta(out, {"reasoning" if state == "reasoning" else "content": text})
+        if self.prev == "tool" and state != "tool":
+            merge_delta(out, self._end_call(closed=True))
+        if state == "tool":
+            self.tool_text += text
+        elif text:
+            merge_delta(out, {"reasoning" if state == "reasoning" else "content": text})
         self.prev = state
     return out
 
+
 @patch
-def _end_call(self:Turn, closed:bool)->dict:
-    "A call's text is complete (`closed`: its end marker came): parsed into `tool_calls`, or — when the parser cannot read it — back into `content` as written."
+def _end_call(self: Turn, closed: bool) -> dict:
+    """A call's text is complete (`closed`: its end marker came): parsed into `tool_calls`, or — when the parser cannot
+    read it — back into `content` as written."""
     text, self.tool_text = self.tool_text, ""
     try:
         parsed = self.tokenizer.tool_parser(text, self.tools)
@@ -177,158 +222,286 @@ def _end_call(self:Turn, closed:bool)->dict:
     return {"tool_calls": out}
 
 # %% ../../nbs/08ca_answer.ipynb #6eddb9de
-TOOL_FORMATS = {"json_tools": "qwen_3", "gemma4": "gemma_4"}   # mlx-lm's tool parser → xgrammar's format: the pairs checked to round-trip (below)
+TOOL_FORMATS = {
+    "json_tools": "qwen_3",
+    "gemma4": "gemma_4",
+}  # mlx-lm's tool parser → xgrammar's format: the pairs checked to round-trip (below)
 
-WHITESPACE = 4   # spaces and newlines in a row inside arguments: room for indentation, none for a small model to pad forever
+WHITESPACE = (
+    4  # spaces and newlines in a row inside arguments: room for indentation, none for a small model to pad forever
+)
 
-def parser_name(tokenizer)->str|None:
+
+def parser_name(tokenizer) -> str | None:
     "The name of mlx-lm's tool parser for this tokenizer (its module), or None."
     p = getattr(tokenizer, "tool_parser", None)
     return None if p is None else p.__module__.rsplit(".", 1)[-1]
 
-def needs_grammar(tools:list, tool_choice, parallel_tool_calls)->bool:
-    "Must the calls be produced under a grammar? A required or named call, at most one call, or a strict function."
-    return (tool_choice == "required" or isinstance(tool_choice, dict) or parallel_tool_calls is False
-            or any(t["function"].get("strict") for t in tools))
 
-def reasoning_mode(tokenizer, initial:str, template_kwargs:dict|None)->str:
-    "xgrammar's reasoning mode for this prompt: 'enabled' inside an open block, 'disabled' without thinking, else 'auto'."
-    if initial == "reasoning": return "enabled"
-    if not getattr(tokenizer, "has_thinking", False) or (template_kwargs or {}).get("enable_thinking") is False: return "disabled"
+def needs_grammar(tools: list, tool_choice, parallel_tool_calls) -> bool:
+    "Must the calls be produced under a grammar? A required or named call, at most one call, or a strict function."
+    return (
+        tool_choice == "required"
+        or isinstance(tool_choice, dict)
+        or parallel_tool_calls is False
+        or any(t["function"].get("strict") for t in tools)
+    )
+
+
+def reasoning_mode(tokenizer, initial: str, template_kwargs: dict | None) -> str:
+    """xgrammar's reasoning mode for this prompt: 'enabled' inside an open block, 'disabled' without thinking, else
+    'auto'."""
+    if initial == "reasoning":
+        return "enabled"
+    if not getattr(tokenizer, "has_thinking", False) or (template_kwargs or {}).get("enable_thinking") is False:
+        return "disabled"
     return "auto"
 
 # %% ../../nbs/08ca_answer.ipynb #9c4a1f3e
 def _map_formats(node, f):
     "xgrammar's format tree `node` with `f` applied to each format in it, innermost first."
-    if isinstance(node, list): return [_map_formats(v, f) for v in node]
-    if not isinstance(node, BaseModel): return node
+    if isinstance(node, list):
+        return [_map_formats(v, f) for v in node]
+    if not isinstance(node, BaseModel):
+        return node
     return f(node.model_copy(update={k: _map_formats(v, f) for k, v in node if isinstance(v, (BaseModel, list))}))
 
-_ONLY_QUOTE = 'excludes=("<|\\"|>")'   # xgrammar's Gemma string content, as its converter writes it: only the delimiter left out
+
+_ONLY_QUOTE = (
+    'excludes=("<|\\"|>")'  # xgrammar's Gemma string content, as its converter writes it: only the delimiter left out
+)
+
 
 def tight_gemma(fmt):
-    "A Gemma-style arguments format as mlx-lm's `gemma4` parser reads it back: xgrammar's own grammar of the schema without free whitespace, the format's excluded markers still kept out of strings; a function without parameters takes an object (OpenAI's arguments are one); any other format as it is."
-    if isinstance(fmt, JSONSchemaFormat) and not isinstance(fmt.json_schema, dict) and fmt.style != "gemma":   # `true`: any JSON value
+    """A Gemma-style arguments format as mlx-lm's `gemma4` parser reads it back: xgrammar's own grammar of the schema
+    without free whitespace, the format's excluded markers still kept out of strings; a function without parameters
+    takes an object (OpenAI's arguments are one); any other format as it is."""
+    if (
+        isinstance(fmt, JSONSchemaFormat) and not isinstance(fmt.json_schema, dict) and fmt.style != "gemma"
+    ):  # `true`: any JSON value
         return fmt.model_copy(update={"json_schema": {"type": "object"}})
-    if not (isinstance(fmt, JSONSchemaFormat) and fmt.style == "gemma"): return fmt
-    if _json_schema_to_ebnf is None: raise ValueError("this xgrammar has no xgrammar.testing._json_schema_to_ebnf: a Gemma 4 call cannot be forced under a grammar its parser reads")
-    schema = fmt.json_schema if isinstance(fmt.json_schema, dict) else {"type": "object"}   # no parameters: still `{…}`, all the parser reads
-    ebnf = _json_schema_to_ebnf(schema, any_whitespace=False, separators=(",", ":"), json_format="gemma", any_order=fmt.any_order)
-    if "gemma_string_content" in ebnf and ebnf.count(_ONLY_QUOTE) != 1: raise RuntimeError("xgrammar's Gemma string rule changed: update tight_gemma")
+    if not (isinstance(fmt, JSONSchemaFormat) and fmt.style == "gemma"):
+        return fmt
+    if _json_schema_to_ebnf is None:
+        raise ValueError(
+            "this xgrammar has no xgrammar.testing._json_schema_to_ebnf: a Gemma 4 call cannot be forced under a "
+            "grammar its parser reads"
+        )
+    schema = (
+        fmt.json_schema if isinstance(fmt.json_schema, dict) else {"type": "object"}
+    )  # no parameters: still `{…}`, all the parser reads
+    ebnf = _json_schema_to_ebnf(
+        schema, any_whitespace=False, separators=(",", ":"), json_format="gemma", any_order=fmt.any_order
+    )
+    if "gemma_string_content" in ebnf and ebnf.count(_ONLY_QUOTE) != 1:
+        raise RuntimeError("xgrammar's Gemma string rule changed: update tight_gemma")
     excludes = ", ".join(json.dumps(e) for e in ['<|"|>', *fmt.excludes])
     return GrammarFormat(grammar=ebnf.replace(_ONLY_QUOTE, f"excludes=({excludes})"))
 
-def bare_keys(schema, function:str):
-    "Gemma 4 writes keys unquoted and mlx-lm's `gemma4` parser reads a key as word characters only: a property named otherwise is a `ValueError` naming it."
+
+def bare_keys(schema, function: str):
+    """Gemma 4 writes keys unquoted and mlx-lm's `gemma4` parser reads a key as word characters only: a property named
+    otherwise is a `ValueError` naming it."""
     if isinstance(schema, list):
-        for s in schema: bare_keys(s, function)
-    if not isinstance(schema, dict): return
+        for s in schema:
+            bare_keys(s, function)
+    if not isinstance(schema, dict):
+        return
     props = schema.get("properties")
     for k in props if isinstance(props, dict) else ():
         if not re.fullmatch(r"\w+", k):
-            raise ValueError(f"function {function!r}: property {k!r} cannot be written in Gemma 4's call syntax (unquoted keys: letters, digits, _)")
-    for v in schema.values(): bare_keys(v, function)
+            raise ValueError(
+                f"function {function!r}: property {k!r} cannot be written in Gemma 4's call syntax (unquoted keys: "
+                "letters, digits, _)"
+            )
+    for v in schema.values():
+        bare_keys(v, function)
 
-def _inside_reasoning(tag:StructuralTag, think_start:str)->StructuralTag:
-    "The tag for a prompt that opened the reasoning block itself: the block's opening marker left out (xgrammar's Gemma 4 tag asks for it again)."
+
+def _inside_reasoning(tag: StructuralTag, think_start: str) -> StructuralTag:
+    """The tag for a prompt that opened the reasoning block itself: the block's opening marker left out (xgrammar's
+    Gemma 4 tag asks for it again)."""
     f = tag.format
-    if isinstance(f, SequenceFormat) and isinstance(f.elements[0], TagFormat) and f.elements[0].begin.startswith(think_start):
+    if (
+        isinstance(f, SequenceFormat)
+        and isinstance(f.elements[0], TagFormat)
+        and f.elements[0].begin.startswith(think_start)
+    ):
         f = f.model_copy(update={"elements": [f.elements[0].model_copy(update={"begin": ""}), *f.elements[1:]]})
     return tag.model_copy(update={"format": f})
 
-def tool_tag(fmt:str, tools:list, tool_choice, parallel_tool_calls, reasoning:str,
-             think_start:str|None=None,  # the tokenizer's marker that opens reasoning (a prompt in 'enabled' mode opened it)
-             token_markers:bool=False)->StructuralTag:
-    "xgrammar's structural tag of calls in format `fmt` (`get_model_structural_tag`), written so that mlx-lm's parser reads every call it allows."
+
+def tool_tag(
+    fmt: str,
+    tools: list,
+    tool_choice,
+    parallel_tool_calls,
+    reasoning: str,
+    think_start: str
+    | None = None,  # the tokenizer's marker that opens reasoning (a prompt in 'enabled' mode opened it)
+    token_markers: bool = False,
+) -> StructuralTag:
+    """xgrammar's structural tag of calls in format `fmt` (`get_model_structural_tag`), written so that mlx-lm's parser
+    reads every call it allows."""
     if fmt == "gemma_4":
-        for t in tools: bare_keys(t["function"].get("parameters"), t["function"]["name"])
-    tag = get_model_structural_tag(fmt, tools=tools, tool_choice=tool_choice or "auto", reasoning=reasoning,
-                                   parallel_tool_calls=parallel_tool_calls is not False, max_whitespace_cnt=WHITESPACE, token_markers=token_markers)
-    if reasoning == "enabled" and think_start: tag = _inside_reasoning(tag, think_start)
+        for t in tools:
+            bare_keys(t["function"].get("parameters"), t["function"]["name"])
+    tag = get_model_structural_tag(
+        fmt,
+        tools=tools,
+        tool_choice=tool_choice or "auto",
+        reasoning=reasoning,
+        parallel_tool_calls=parallel_tool_calls is not False,
+        max_whitespace_cnt=WHITESPACE,
+        token_markers=token_markers,
+    )
+    if reasoning == "enabled" and think_start:
+        tag = _inside_reasoning(tag, think_start)
     return _map_formats(tag, tight_gemma)
 
 # %% ../../nbs/08ca_answer.ipynb #3616f854
-def _single_tokens(tokenizer, names)->bool:
+def _single_tokens(tokenizer, names) -> bool:
     return all(len(tokenizer.encode(n, add_special_tokens=False)) == 1 for n in names)
 
-def tool_grammar(tokenizer, tools:list, tool_choice, parallel_tool_calls, reasoning:str):
-    "The grammar calls must follow (`needs_grammar`), or None; a tool-call format xgrammar does not write is a 400 naming `tool_choice`."
-    if not needs_grammar(tools, tool_choice, parallel_tool_calls): return None
+
+def tool_grammar(tokenizer, tools: list, tool_choice, parallel_tool_calls, reasoning: str):
+    """The grammar calls must follow (`needs_grammar`), or None; a tool-call format xgrammar does not write is a 400
+    naming `tool_choice`."""
+    if not needs_grammar(tools, tool_choice, parallel_tool_calls):
+        return None
     name = parser_name(tokenizer)
     if (fmt := TOOL_FORMATS.get(name)) is None:
-        raise APIError(400, f"tool_choice {tool_choice!r} (or strict, or parallel_tool_calls false) needs a grammar of this model's tool-call "
-                       f"format ({name}); xgrammar writes one for {', '.join(sorted(TOOL_FORMATS))} only", "tool_choice")
-    markers = [m for m in (tokenizer.tool_call_start, tokenizer.tool_call_end, getattr(tokenizer, "think_start", None),
-                           getattr(tokenizer, "think_end", None)) if m]
-    tag = tool_tag(fmt, tools, tool_choice, parallel_tool_calls, reasoning, getattr(tokenizer, "think_start", None),
-                   token_markers=fmt in ("qwen_3", "qwen_3_5", "qwen_3_coder", "glm_4_7") and _single_tokens(tokenizer, markers))
+        raise APIError(
+            400,
+            f"tool_choice {tool_choice!r} (or strict, or parallel_tool_calls false) needs a grammar of this model's "
+            "tool-call "
+            f"format ({name}); xgrammar writes one for {', '.join(sorted(TOOL_FORMATS))} only",
+            "tool_choice",
+        )
+    markers = [
+        m
+        for m in (
+            tokenizer.tool_call_start,
+            tokenizer.tool_call_end,
+            getattr(tokenizer, "think_start", None),
+            getattr(tokenizer, "think_end", None),
+        )
+        if m
+    ]
+    tag = tool_tag(
+        fmt,
+        tools,
+        tool_choice,
+        parallel_tool_calls,
+        reasoning,
+        getattr(tokenizer, "think_start", None),
+        token_markers=fmt in ("qwen_3", "qwen_3_5", "qwen_3_coder", "glm_4_7") and _single_tokens(tokenizer, markers),
+    )
     return from_structural_tag(tokenizer, tag, [t["function"].get("parameters") for t in tools])
 
 # %% ../../nbs/08ca_answer.ipynb #b768b7a8
-@lru_cache(maxsize=1 << 16)   # a request with top_logprobs 20 names 21 tokens a position, mostly the same few thousand
-def _piece(tokenizer, t:int)->str: return tokenizer.decode([t])
+@lru_cache(maxsize=1 << 16)  # a request with top_logprobs 20 names 21 tokens a position, mostly the same few thousand
+def _piece(tokenizer, t: int) -> str:
+    return tokenizer.decode([t])
 
-def chat_logprobs(tokenizer, entries:list)->dict:
+
+def chat_logprobs(tokenizer, entries: list) -> dict:
     "OpenAI chat `logprobs` from `(token, logprob, [(id, logprob), …])` entries."
+
     def one(t, lp):
         s = _piece(tokenizer, t)
         return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
     return {"content": [{**one(t, lp), "top_logprobs": [one(i, l) for i, l in top]} for t, lp, top in entries]}
 
-def completion_logprobs(tokenizer, entries:list, offset:int=0)->dict:
-    "OpenAI completions `logprobs` from the same entries (a None logprob: the first prompt token); `offset`: where the text starts."
+
+def completion_logprobs(tokenizer, entries: list, offset: int = 0) -> dict:
+    """OpenAI completions `logprobs` from the same entries (a None logprob: the first prompt token); `offset`: where the
+    text starts."""
     tokens, offsets = [], []
     for t, _, _ in entries:
         offsets.append(offset)
         tokens.append(_piece(tokenizer, t))
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "text_offset": offsets,
-            "top_logprobs": [None if top is None else {_piece(tokenizer, i): l for i, l in top} for _, _, top in entries]}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "text_offset": offsets,
+        "top_logprobs": [None if top is None else {_piece(tokenizer, i): l for i, l in top} for _, _, top in entries],
+    }
 
 # %% ../../nbs/08ca_answer.ipynb #fe42d1b5
 class StopText:
     "Cuts growing decoded text at the first stop sequence; until the end, holds back a tail that could begin one."
-    def __init__(self, stops): self.stops, self.sent = [s for s in stops if s], 0
 
-    def push(self, text:str, final:bool=False)->tuple:
+    def __init__(self, stops):
+        self.stops, self.sent = [s for s in stops if s], 0
+
+    def push(self, text: str, final: bool = False) -> tuple:
         "`(new text safe to send, whether a stop sequence was found)` for the whole decoded `text` so far."
         hits = [i for i in (text.find(s, self.sent) for s in self.stops) if i >= 0]
         end = min(hits) if hits else len(text)
-        if not hits and not final:   # hold back the longest tail that is a proper prefix of some stop sequence
+        if not hits and not final:  # hold back the longest tail that is a proper prefix of some stop sequence
             end -= max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        delta, self.sent = text[self.sent:max(end, self.sent)], max(end, self.sent)
+        delta, self.sent = text[self.sent : max(end, self.sent)], max(end, self.sent)
         return delta, bool(hits)
 
+
 class TextSink:
-    "A job's tokens into its text events — detokenized, cut at stop sequences, with their logprobs when asked; `finish` says when the text itself ends the job."
-    def __init__(self, tokenizer, job, on_first=None):   # on_first(): called at the first token (time to first token)
-        self.job, self.text, self.stop, self.on_first, self.finish = job, DecodedText(tokenizer), StopText(job.stop), on_first, None
-        self.result, self.n = None, 0   # result: the executor's `SpecResult`, which holds each token's logprobs (set when generation starts)
+    """A job's tokens into its text events — detokenized, cut at stop sequences, with their logprobs when asked;
+    `finish` says when the text itself ends the job."""
+
+    def __init__(self, tokenizer, job, on_first=None):  # on_first(): called at the first token (time to first token)
+        self.job, self.text, self.stop, self.on_first, self.finish = (
+            job,
+            DecodedText(tokenizer),
+            StopText(job.stop),
+            on_first,
+            None,
+        )
+        self.result, self.n = (
+            None,
+            0,
+        )  # result: the executor's `SpecResult`, which holds each token's logprobs (set when generation starts)
 
     def _first(self):
-        if self.on_first is not None: self.on_first(); self.on_first = None
-        if self.job.prompt_logprobs is not None:   # a completion's echo: its prompt's own logprobs, from the prefill forward
-            self.job.emit("logprobs", [(t, *(e or (None, None))) for t, e in zip(self.job.prompt, self.result.prompt_logprobs)])   # the first: None
+        if self.on_first is not None:
+            self.on_first()
+            self.on_first = None
+        if (
+            self.job.prompt_logprobs is not None
+        ):  # a completion's echo: its prompt's own logprobs, from the prefill forward
+            self.job.emit(
+                "logprobs", [(t, *(e or (None, None))) for t, e in zip(self.job.prompt, self.result.prompt_logprobs)]
+            )  # the first: None
 
-    def add(self, t:int)->bool:
+    def add(self, t: int) -> bool:
         "Take one token; False when the job stops here: a stop sequence ('stop'), or it should stop ('cancelled')."
-        if not self.n: self._first()
+        if not self.n:
+            self._first()
         self.n += 1
-        if self.job.logprobs is not None: self.job.emit("logprobs", [(t, *self.result.logprobs[self.n - 1])])
+        if self.job.logprobs is not None:
+            self.job.emit("logprobs", [(t, *self.result.logprobs[self.n - 1])])
         self.text.add(t)
         delta, hit = self.stop.push(self.text.text)
-        if delta: self.job.emit("text", delta)
-        if hit: self.finish = "stop"
-        elif self.job.should_stop(): self.finish = "cancelled"
+        if delta:
+            self.job.emit("text", delta)
+        if hit:
+            self.finish = "stop"
+        elif self.job.should_stop():
+            self.finish = "cancelled"
         return self.finish is None
 
-    def close(self)->str|None:
-        "No more tokens: send what was held back (unless the text already ended); the finish reason when the text decides it."
-        if not self.n and self.job.prompt_logprobs is not None and self.result is not None: self._first()   # no token: the echo's logprobs still
+    def close(self) -> str | None:
+        """No more tokens: send what was held back (unless the text already ended); the finish reason when the text
+        decides it."""
+        if not self.n and self.job.prompt_logprobs is not None and self.result is not None:
+            self._first()  # no token: the echo's logprobs still
         if self.finish is None:
             self.text.finish()
             delta, hit = self.stop.push(self.text.text, final=True)
-            if delta: self.job.emit("text", delta)
-            if hit: self.finish = "stop"
+            if delta:
+                self.job.emit("text", delta)
+            if hit:
+                self.finish = "stop"
         return self.finish
-

@@ -29,11 +29,14 @@ from .engine import Engine, log
 from .replies import echo_text, respond
 
 # %% ../../nbs/08g_app.ipynb #94f157f4
-def _add_error_handlers(app:FastAPI, engine:Engine):
-    "Answer every error with OpenAI's error object, counting refused requests by reason; the process never goes down with a request."
+def _add_error_handlers(app: FastAPI, engine: Engine):
+    """Answer every error with OpenAI's error object, counting refused requests by reason; the process never goes down
+    with a request."""
+
     @app.exception_handler(APIError)
     async def _api_error(request, e):
-        if e.status in (400, 404): engine.metrics.refused.labels(e.code or "bad_request").inc()
+        if e.status in (400, 404):
+            engine.metrics.refused.labels(e.code or "bad_request").inc()
         return e.response()
 
     @app.exception_handler(RequestValidationError)
@@ -43,7 +46,9 @@ def _add_error_handlers(app:FastAPI, engine:Engine):
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):
-        return APIError(e.status_code, f"{e.detail}: {request.method} {request.url.path}", headers=e.headers).response()   # 405 keeps its Allow
+        return APIError(
+            e.status_code, f"{e.detail}: {request.method} {request.url.path}", headers=e.headers
+        ).response()  # 405 keeps its Allow
 
     @app.exception_handler(Exception)
     async def _unexpected(request, e):
@@ -52,134 +57,237 @@ def _add_error_handlers(app:FastAPI, engine:Engine):
 
 # %% ../../nbs/08g_app.ipynb #1f3f14a5
 class Guard:
-    "ASGI middleware in front of the app: the API key on `/v1` routes (401), the body size (413) — from the header, or counted as it arrives."
-    def __init__(self, app, engine:Engine, max_body:int=16 * 2**20, api_key:str|None=None):
+    """ASGI middleware in front of the app: the API key on `/v1` routes (401), the body size (413) — from the header, or
+    counted as it arrives."""
+
+    def __init__(self, app, engine: Engine, max_body: int = 16 * 2**20, api_key: str | None = None):
         self.app, self.engine, self.max_body, self.api_key = app, engine, max_body, api_key
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http": return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if (e := self._check(scope["path"], headers)) is not None: return await self._refuse(e, scope, receive, send)
+        if (e := self._check(scope["path"], headers)) is not None:
+            return await self._refuse(e, scope, receive, send)
         seen, answered = 0, False
+
         async def counted():
             nonlocal seen, answered
             msg = await receive()
             seen += len(msg.get("body", b""))
-            if seen > self.max_body and not answered:   # a chunked body (no length given) that grew too large: answer now, read no more
+            if (
+                seen > self.max_body and not answered
+            ):  # a chunked body (no length given) that grew too large: answer now, read no more
                 answered = True
                 await self._refuse(self._too_large(None), scope, receive, send)
-                return {"type": "http.disconnect"}   # the app stops reading, as it would for a client that left
+                return {"type": "http.disconnect"}  # the app stops reading, as it would for a client that left
             return msg
+
         async def sent(msg):
-            if not answered: await send(msg)
+            if not answered:
+                await send(msg)
+
         await self.app(scope, counted, sent)
 
-    def _check(self, path:str, headers:dict)->APIError|None:
+    def _check(self, path: str, headers: dict) -> APIError | None:
         if self.api_key is not None and path.startswith("/v1"):
             given = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, key = given.partition(" ")
-            if not given: return _unauthorized("You didn't provide an API key. You need to provide your API key in an Authorization header "
-                                               "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+            if not given:
+                return _unauthorized(
+                    "You didn't provide an API key. You need to provide your API key in an Authorization header "
+                    "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+                )
             if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
-                return _unauthorized(f"Incorrect API key provided: {_masked(key.strip())}. Use the key this server was started with "
-                                     "(--api-key or SPECNB_API_KEY).")
+                return _unauthorized(
+                    f"Incorrect API key provided: {_masked(key.strip())}. Use the key this server was started with "
+                    "(--api-key or SPECNB_API_KEY)."
+                )
         length = headers.get(b"content-length", b"")
         return self._too_large(int(length)) if length.isdigit() and int(length) > self.max_body else None
 
-    def _too_large(self, n:int|None)->APIError:
+    def _too_large(self, n: int | None) -> APIError:
         size = f"{n} bytes" if n is not None else "larger than that"
-        return APIError(413, f"the request body is {size}; this server accepts at most {self.max_body} bytes (--max-request-bytes)",
-                        code="request_too_large")
+        return APIError(
+            413,
+            f"the request body is {size}; this server accepts at most {self.max_body} bytes (--max-request-bytes)",
+            code="request_too_large",
+        )
 
-    async def _refuse(self, e:APIError, scope, receive, send):
+    async def _refuse(self, e: APIError, scope, receive, send):
         self.engine.metrics.refused.labels(e.code).inc()
-        e.headers = {**(e.headers or {}), "Connection": "close"}   # what is left of the body must not be read as a next request
+        e.headers = {
+            **(e.headers or {}),
+            "Connection": "close",
+        }  # what is left of the body must not be read as a next request
         await e.response()(scope, receive, send)
 
-def _unauthorized(message:str)->APIError:
+
+def _unauthorized(message: str) -> APIError:
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-def _masked(key:str)->str: return f"{key[:3]}***{key[-2:]}" if len(key) > 8 else "***"
+
+def _masked(key: str) -> str:
+    return f"{key[:3]}***{key[-2:]}" if len(key) > 8 else "***"
 
 # %% ../../nbs/08g_app.ipynb #b947a0ce
-def _add_routes(app:FastAPI, engine:Engine):
+def _add_routes(app: FastAPI, engine: Engine):
     "OpenAI's chat, completions and models endpoints, and `/health` and `/metrics`."
+
     @app.post("/v1/chat/completions")
-    async def chat_completions(req:ChatRequest, request:Request):
+    async def chat_completions(req: ChatRequest, request: Request):
         check_model(engine.limits, req.model)
-        if req.top_logprobs is not None and not req.logprobs: raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         tools = tool_dicts(req)
-        prompt = await run_in_threadpool(chat_prompt, engine.limits, req.messages, asked_tokens(req) or 1, req.chat_template_kwargs,
-                                         req.reasoning_effort, tools)   # off the loop
+        prompt = await run_in_threadpool(
+            chat_prompt,
+            engine.limits,
+            req.messages,
+            asked_tokens(req) or 1,
+            req.chat_template_kwargs,
+            req.reasoning_effort,
+            tools,
+        )  # off the loop
         return await respond(engine, req, "chat", prompt, request, tools=tools)
 
     @app.post("/v1/completions")
-    async def completions(req:CompletionRequest, request:Request):
+    async def completions(req: CompletionRequest, request: Request):
         check_model(engine.limits, req.model)
         prompt = await run_in_threadpool(completion_prompt, engine.limits, req.prompt, asked_tokens(req) or 1)
-        return await respond(engine, req, "completions", prompt, request, echo_text(engine.tokenizer, req.prompt) if req.echo else "")
+        return await respond(
+            engine, req, "completions", prompt, request, echo_text(engine.tokenizer, req.prompt) if req.echo else ""
+        )
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": engine.limits.model_id, "object": "model", "created": 0, "owned_by": "specnb"}]}
+        return {
+            "object": "list",
+            "data": [{"id": engine.limits.model_id, "object": "model", "created": 0, "owned_by": "specnb"}],
+        }
 
     @app.get("/health")
     async def health():
-        if engine.broken: return JSONResponse({"status": "unavailable", "error": engine.broken, "model": engine.limits.model_id}, status_code=503)
-        return {"status": "stopping" if engine.closing else "ok", "model": engine.limits.model_id, "draft_kind": engine.draft_kind,
-                "context_length": engine.limits.max_context, "queue_depth": engine.queued(), "running": engine.running(),
-                "batch": {"max_size": engine.max_batch_size, "size": len(engine.active), "not_batched": engine.not_batched},
-                "distributed": engine.distributed,
-                "memory": engine.memory(), "threads": threading.active_count(), "blas": blas_in_use()}
+        if engine.broken:
+            return JSONResponse(
+                {"status": "unavailable", "error": engine.broken, "model": engine.limits.model_id}, status_code=503
+            )
+        return {
+            "status": "stopping" if engine.closing else "ok",
+            "model": engine.limits.model_id,
+            "draft_kind": engine.draft_kind,
+            "context_length": engine.limits.max_context,
+            "queue_depth": engine.queued(),
+            "running": engine.running(),
+            "batch": {"max_size": engine.max_batch_size, "size": len(engine.active), "not_batched": engine.not_batched},
+            "distributed": engine.distributed,
+            "memory": engine.memory(),
+            "threads": threading.active_count(),
+            "blas": blas_in_use(),
+        }
 
     @app.get("/metrics", response_class=Response)
-    async def metrics(): return Response(engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics():
+        return Response(engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type", "param", "code"],
-    "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 
-_ERRORS = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model", 413: "Body too large",
-           500: "Generation failed", 503: "Busy, stopping, or the worker stopped", 504: "Out of time (--request-timeout)"}
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+_ERRORS = {
+    400: "Invalid request",
+    401: "Missing or wrong API key",
+    404: "Unknown model",
+    413: "Body too large",
+    500: "Generation failed",
+    503: "Busy, stopping, or the worker stopped",
+    504: "Out of time (--request-timeout)",
+}
+
 
 def _whole_bounds(node):
-    "Integer bounds back as integers: FastAPI writes them as floats, and `2**64` as a float reads as a larger number than it is."
+    """Integer bounds back as integers: FastAPI writes them as floats, and `2**64` as a float reads as a larger number
+    than it is."""
     if isinstance(node, list):
-        for x in node: _whole_bounds(x)
-    if not isinstance(node, dict): return
+        for x in node:
+            _whole_bounds(x)
+    if not isinstance(node, dict):
+        return
     for k, v in node.items():
-        if k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") and isinstance(v, float) and v.is_integer(): node[k] = int(v)
-        else: _whole_bounds(v)
+        if (
+            k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+            and isinstance(v, float)
+            and v.is_integer()
+        ):
+            node[k] = int(v)
+        else:
+            _whole_bounds(v)
 
-def _openapi(app:FastAPI)->dict:
-    "FastAPI's schema with the answers this server gives: errors in OpenAI's shape (400, not FastAPI's 422), Prometheus text at `/metrics`."
-    if app.openapi_schema: return app.openapi_schema
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema with the answers this server gives: errors in OpenAI's shape (400, not FastAPI's 422),
+    Prometheus text at `/metrics`."""
+    if app.openapi_schema:
+        return app.openapi_schema
     s = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = s.setdefault("components", {}).setdefault("schemas", {})
-    for name in ("HTTPValidationError", "ValidationError"): schemas.pop(name, None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
     schemas["Error"] = _ERROR_SCHEMA
-    error = lambda why: {"description": why, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    error = lambda why: {
+        "description": why,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
     for path, ops in s["paths"].items():
         for op in ops.values():
             op["responses"].pop("422", None)
-            if path.startswith("/v1/") and "requestBody" in op: op["responses"].update({str(k): error(v) for k, v in _ERRORS.items()})
-    for path in ("/v1/completions", "/v1/chat/completions"):   # stream: true answers with server-sent events
+            if path.startswith("/v1/") and "requestBody" in op:
+                op["responses"].update({str(k): error(v) for k, v in _ERRORS.items()})
+    for path in ("/v1/completions", "/v1/chat/completions"):  # stream: true answers with server-sent events
         ok = s["paths"][path]["post"]["responses"]["200"]
-        ok["description"] = "The answer: one JSON body, or with stream: true server-sent events, `data: {chunk}` each, ending `data: [DONE]`"
+        ok["description"] = (
+            "The answer: one JSON body, or with stream: true server-sent events, `data: {chunk}` each, ending `data: "
+            "[DONE]`"
+        )
         ok["content"]["text/event-stream"] = {"schema": {}}
     _whole_bounds(s)
-    s["paths"]["/metrics"]["get"]["responses"]["200"] = {"description": "Prometheus metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}
-    s["paths"]["/health"]["get"]["responses"]["503"] = {"description": "The worker stopped", "content": {"application/json": {"schema": {"type": "object"}}}}
+    s["paths"]["/metrics"]["get"]["responses"]["200"] = {
+        "description": "Prometheus metrics",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
+    s["paths"]["/health"]["get"]["responses"]["503"] = {
+        "description": "The worker stopped",
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    }
     app.openapi_schema = s
     return s
 
-def make_app(engine:Engine, max_request_bytes:int=parse_bytes(ServeOptions.max_request_bytes), api_key:str|None=None)->FastAPI:
+
+def make_app(
+    engine: Engine, max_request_bytes: int = parse_bytes(ServeOptions.max_request_bytes), api_key: str | None = None
+) -> FastAPI:
     "The FastAPI application serving `engine` (its worker runs while the app does), behind the `Guard`."
+
     @asynccontextmanager
     async def lifespan(app):
         engine.start()
         yield
         engine.stop()
+
     app = FastAPI(title="specnb", lifespan=lifespan)
     _add_error_handlers(app, engine)
     _add_routes(app, engine)
@@ -188,49 +296,88 @@ def make_app(engine:Engine, max_request_bytes:int=parse_bytes(ServeOptions.max_r
     return app
 
 # %% ../../nbs/08g_app.ipynb #fbeef3ed
-def bind_warning(host:str, port:int, api_key:str|None)->str|None:
-    "The start-up warning for a server anyone who can reach it may use — a non-loopback address and no API key; None otherwise."
-    if api_key or host == "localhost": return None
+def bind_warning(host: str, port: int, api_key: str | None) -> str | None:
+    """The start-up warning for a server anyone who can reach it may use — a non-loopback address and no API key; None
+    otherwise."""
+    if api_key or host == "localhost":
+        return None
     try:
-        if ipaddress.ip_address(host).is_loopback: return None
-    except ValueError: pass   # a host name: it may name any interface
-    return (f"WARNING: specnb serve is listening on {host}:{port} with no API key: anyone who can reach this address can use the model. "
-            "Pass --api-key KEY (or set SPECNB_API_KEY), or listen on 127.0.0.1.")
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name: it may name any interface
+    return (
+        f"WARNING: specnb serve is listening on {host}:{port} with no API key: anyone who can reach this address can "
+        "use the model. "
+        "Pass --api-key KEY (or set SPECNB_API_KEY), or listen on 127.0.0.1."
+    )
+
 
 class _Server(uvicorn.Server):
-    "uvicorn's server, whose shutdown first stops every request, so that open streams end (with an error event) instead of holding the exit."
-    def __init__(self, config, engine:Engine): super().__init__(config); self.engine = engine
+    """uvicorn's server, whose shutdown first stops every request, so that open streams end (with an error event)
+    instead of holding the exit."""
+
+    def __init__(self, config, engine: Engine):
+        super().__init__(config)
+        self.engine = engine
+
     async def shutdown(self, sockets=None):
         self.engine.close()
         await super().shutdown(sockets)
 
-def server_limits(args)->dict:
+
+def server_limits(args) -> dict:
     "The server's limits from the command line (its `ServeOptions`), checked before anything is loaded; sizes in bytes."
     o = ServeOptions.from_args(args).check()
     size = lambda name, v: None if v is None else parse_bytes(v, name)
-    return dict(memory_budget=size("--memory-budget", o.memory_budget), prompt_cache_bytes=size("--prompt-cache-bytes", o.prompt_cache_bytes),
-                max_context=o.max_context, request_timeout=o.request_timeout, prefill_step_size=o.prefill_step_size,
-                max_batch_size=o.max_batch_size)
+    return dict(
+        memory_budget=size("--memory-budget", o.memory_budget),
+        prompt_cache_bytes=size("--prompt-cache-bytes", o.prompt_cache_bytes),
+        max_context=o.max_context,
+        request_timeout=o.request_timeout,
+        prefill_step_size=o.prefill_step_size,
+        max_batch_size=o.max_batch_size,
+    )
 
-def engine_options(args, kind:str)->dict:
+
+def engine_options(args, kind: str) -> dict:
     "The `Engine`'s options from the command line (after `load_drafting`, which settles `num_draft_tokens`)."
     o = ServeOptions.from_args(args)
-    return dict(model_id=o.served_model_name or args.model or "specnb-bundled", draft_kind=kind, num_draft_tokens=args.num_draft_tokens,
-                max_queue=o.max_queue, prompt_cache_size=o.prompt_cache_size, max_tokens=o.max_tokens,
-                max_tokens_limit=o.max_tokens_limit, temp=o.temp, acceptance=args.acceptance)
+    return dict(
+        model_id=o.served_model_name or args.model or "specnb-bundled",
+        draft_kind=kind,
+        num_draft_tokens=args.num_draft_tokens,
+        max_queue=o.max_queue,
+        prompt_cache_size=o.prompt_cache_size,
+        max_tokens=o.max_tokens,
+        max_tokens_limit=o.max_tokens_limit,
+        temp=o.temp,
+        acceptance=args.acceptance,
+    )
+
 
 def cmd_serve(args, loader=None, make_engine=Engine):
-    "Run `specnb serve` until interrupted; bad arguments are a `ValueError` before anything is loaded. (`loader`, `make_engine`: a split target's.)"
+    """Run `specnb serve` until interrupted; bad arguments are a `ValueError` before anything is loaded. (`loader`,
+    `make_engine`: a split target's.)"""
     limits, body = server_limits(args), parse_bytes(args.max_request_bytes, "--max-request-bytes")
     key = args.api_key or os.environ.get("SPECNB_API_KEY") or None
     pair, provider, kind = load_drafting(args, loader=loader)
     engine = make_engine(pair, provider, **engine_options(args, kind), **limits)
-    json_object(pair.tokenizer)   # builds xgrammar's tables for this tokenizer now, not on the first structured request
+    json_object(pair.tokenizer)  # builds xgrammar's tables for this tokenizer now, not on the first structured request
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    if (warning := bind_warning(args.host, args.port, key)) is not None: print(warning, file=sys.stderr, flush=True)
-    log.info(f"serving {engine.limits.model_id} ({kind} drafting, γ={args.num_draft_tokens}, BLAS {blas_in_use()}) on http://{args.host}:{args.port}; "
-             f"context {engine.limits.max_context}, memory budget {mib(engine.budget)} ({mib(engine.resident)} resident), "
-             f"up to {engine.max_batch_size} requests per batch")
-    config = uvicorn.Config(make_app(engine, body, key), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)   # a backstop: the requests themselves end within a chunk or a token
+    if (warning := bind_warning(args.host, args.port, key)) is not None:
+        print(warning, file=sys.stderr, flush=True)
+    log.info(
+        f"serving {engine.limits.model_id} ({kind} drafting, γ={args.num_draft_tokens}, BLAS {blas_in_use()}) on "
+        f"http://{args.host}:{args.port}; "
+        f"context {engine.limits.max_context}, memory budget {mib(engine.budget)} ({mib(engine.resident)} resident), "
+        f"up to {engine.max_batch_size} requests per batch"
+    )
+    config = uvicorn.Config(
+        make_app(engine, body, key),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+    )  # a backstop: the requests themselves end within a chunk or a token
     _Server(config, engine).run()

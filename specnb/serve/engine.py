@@ -26,6 +26,7 @@ from .runners import Batched, OneAtATime, log
 # %% ../../nbs/08f_engine.ipynb #e3e03d11
 class Metrics:
     "The server's Prometheus metrics, in a registry of its own."
+
     def __init__(self):
         r = self.registry = CollectorRegistry()
         C = lambda name, doc, labels=(): Counter(f"specnb_{name}", doc, labels, registry=r)
@@ -42,67 +43,122 @@ class Metrics:
         self.rounds = C("verify_rounds", "Verify rounds")
         self.queue_depth = Gauge("specnb_queue_depth", "Requests waiting for the model worker", registry=r)
         self.running = Gauge("specnb_running_requests", "Requests the model worker is generating", registry=r)
-        self.memory = Gauge("specnb_memory_bytes", "The memory budget and what is held: resident (weights), requests (admitted), "
-                            "prompt_cache, mlx_active (MLX's arrays now)", ["part"], registry=r)
+        self.memory = Gauge(
+            "specnb_memory_bytes",
+            "The memory budget and what is held: resident (weights), requests (admitted), "
+            "prompt_cache, mlx_active (MLX's arrays now)",
+            ["part"],
+            registry=r,
+        )
         self.latency = Histogram("specnb_request_seconds", "Time from queueing to the last token", registry=r)
         self.ttft = Histogram("specnb_time_to_first_token_seconds", "Time from queueing to the first token", registry=r)
         self.queue_wait = Histogram("specnb_queue_wait_seconds", "Time a request waited in the queue", registry=r)
-        self.batch_size = Gauge("specnb_batch_size", "Requests in the worker's batch now (--max-batch-size)", registry=r)
-        self.batch_rounds = Histogram("specnb_batch_size_per_round", "Requests in each batched round", registry=r,
-                                      buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64))
-        self.request_tps = Histogram("specnb_request_tokens_per_second", "Each finished request's decode throughput: its tokens over its decode time",
-                                     registry=r, buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000))
+        self.batch_size = Gauge(
+            "specnb_batch_size", "Requests in the worker's batch now (--max-batch-size)", registry=r
+        )
+        self.batch_rounds = Histogram(
+            "specnb_batch_size_per_round",
+            "Requests in each batched round",
+            registry=r,
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+        )
+        self.request_tps = Histogram(
+            "specnb_request_tokens_per_second",
+            "Each finished request's decode throughput: its tokens over its decode time",
+            registry=r,
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
+        )
 
     def watch_memory(self, memory):
         "Read the memory gauges from `memory()` (a dict of byte counts) at every scrape."
         for part in ("budget", "resident", "requests", "prompt_cache", "mlx_active"):
             self.memory.labels(part).set_function(lambda part=part: memory()[part])
 
-    def record(self, endpoint:str, finish:str, prompt_tokens:int, cached:int, st):
+    def record(self, endpoint: str, finish: str, prompt_tokens: int, cached: int, st):
         "Count one finished request and its `SpecStats`."
         self.requests.labels(endpoint, finish).inc()
-        self.prompt_tokens.inc(prompt_tokens); self.cached_tokens.inc(cached); self.generated.inc(st.generated)
-        self.drafted.inc(st.drafted); self.accepted.inc(st.accepted)
-        self.target_calls.inc(st.target_calls); self.rounds.inc(st.rounds)
-        if st.decode_s: self.request_tps.observe(st.decode_tps)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached)
+        self.generated.inc(st.generated)
+        self.drafted.inc(st.drafted)
+        self.accepted.inc(st.accepted)
+        self.target_calls.inc(st.target_calls)
+        self.rounds.inc(st.rounds)
+        if st.decode_s:
+            self.request_tps.observe(st.decode_tps)
         for i, (d, a) in enumerate(zip(st.drafted_by_pos, st.accepted_by_pos)):
-            if d: self.drafted_at.labels(str(i)).inc(d); self.accepted_at.labels(str(i)).inc(a)
+            if d:
+                self.drafted_at.labels(str(i)).inc(d)
+                self.accepted_at.labels(str(i)).inc(a)
 
-    def text(self)->bytes: return generate_latest(self.registry)
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
 
 # %% ../../nbs/08f_engine.ipynb #3f312dec
-def batch_limit(model, provider, n:int, num_draft_tokens:int=3)->tuple:
+def batch_limit(model, provider, n: int, num_draft_tokens: int = 3) -> tuple:
     "`(requests per batch, why not more)`: `n`, or 1 with the reason when batched rounds refuse this pair (a trial)."
-    if n <= 1: return 1, None
+    if n <= 1:
+        return 1, None
     try:
-        spec_generate_batch(model, provider, [[1, 2, 3, 4], [5, 6, 7]], max_tokens=2,
-                            num_draft_tokens=max(num_draft_tokens, 1))
-    except ValueError as e: return 1, str(e)
+        spec_generate_batch(
+            model, provider, [[1, 2, 3, 4], [5, 6, 7]], max_tokens=2, num_draft_tokens=max(num_draft_tokens, 1)
+        )
+    except ValueError as e:
+        return 1, str(e)
     return n, None
 
 # %% ../../nbs/08f_engine.ipynb #146b4608
-def unavailable(broken:str)->APIError:
+def unavailable(broken: str) -> APIError:
     "The 503 every request gets once the worker has stopped (`broken`: why)."
-    return APIError(503, f"the model worker stopped ({broken}); this server cannot answer until it is restarted",
-                    type="server_error", code="unavailable")
+    return APIError(
+        503,
+        f"the model worker stopped ({broken}); this server cannot answer until it is restarted",
+        type="server_error",
+        code="unavailable",
+    )
+
 
 class Engine:
     "The model worker: one thread runs queued requests through a runner — one at a time, or batched — within a budget."
-    def __init__(self, pair, provider=None, *, model_id:str="specnb-bundled", draft_kind:str="two-model",
-                 num_draft_tokens:int=3, max_queue:int=ServeOptions.max_queue,
-                 prompt_cache_size:int=ServeOptions.prompt_cache_size, max_tokens:int=ServeOptions.max_tokens,
-                 max_tokens_limit:int=ServeOptions.max_tokens_limit, temp:float=ServeOptions.temp,
-                 acceptance:str="match", max_context:int|None=None, memory_budget:int|None=None,
-                 prompt_cache_bytes:int|None=None, request_timeout:float|None=None,
-                 prefill_step_size:int=ServeOptions.prefill_step_size,
-                 max_batch_size:int=1,   # one at a time unless asked: `specnb serve` asks for its default, 8
-                 coordinator=None):      # the target split over ranks: what makes them run each job together (08b)
+
+    def __init__(
+        self,
+        pair,
+        provider=None,
+        *,
+        model_id: str = "specnb-bundled",
+        draft_kind: str = "two-model",
+        num_draft_tokens: int = 3,
+        max_queue: int = ServeOptions.max_queue,
+        prompt_cache_size: int = ServeOptions.prompt_cache_size,
+        max_tokens: int = ServeOptions.max_tokens,
+        max_tokens_limit: int = ServeOptions.max_tokens_limit,
+        temp: float = ServeOptions.temp,
+        acceptance: str = "match",
+        max_context: int | None = None,
+        memory_budget: int | None = None,
+        prompt_cache_bytes: int | None = None,
+        request_timeout: float | None = None,
+        prefill_step_size: int = ServeOptions.prefill_step_size,
+        max_batch_size: int = 1,  # one at a time unless asked: `specnb serve` asks for its default, 8
+        coordinator=None,
+    ):  # the target split over ranks: what makes them run each job together (08b)
         self.model, self.tokenizer, self.provider, self.draft_kind = pair.target, pair.tokenizer, provider, draft_kind
         context = least(context_length(self.model), max_context)
-        self.limits = Limits(pair.tokenizer, model_id, logits_width(self.model), context, max_tokens,
-                             max_tokens_limit, temp, acceptance, num_draft_tokens, request_timeout)
+        self.limits = Limits(
+            pair.tokenizer,
+            model_id,
+            logits_width(self.model),
+            context,
+            max_tokens,
+            max_tokens_limit,
+            temp,
+            acceptance,
+            num_draft_tokens,
+            request_timeout,
+        )
         self.prefill_step_size = prefill_step_size
-        self.footprints = measure_footprints(self.model, provider, num_draft_tokens)   # also warms MLX's kernels
+        self.footprints = measure_footprints(self.model, provider, num_draft_tokens)  # also warms MLX's kernels
         self.coordinator = coordinator
         # ranks: each tries it, in step
         self.max_batch_size, self.not_batched = batch_limit(self.model, provider, max_batch_size, num_draft_tokens)
@@ -112,99 +168,135 @@ class Engine:
         n_target = len(make_prompt_cache(self.model))
         self.cache = PromptCache(prompt_cache_size, n_target, prompt_cache_bytes or self.budget // 4)
         self.metrics = Metrics()
-        self.admission = Admission(self.footprints, provider is not None, self.cache, self.metrics,
-                                   self.budget, self.resident, self.max_batch_size, max_queue)
+        self.admission = Admission(
+            self.footprints,
+            provider is not None,
+            self.cache,
+            self.metrics,
+            self.budget,
+            self.resident,
+            self.max_batch_size,
+            max_queue,
+        )
         self.jobs, self.live, self.active = self.admission.jobs, self.admission.live, self.admission.active
         self.runner = (Batched if self.max_batch_size > 1 else OneAtATime)(self)
         self.metrics.watch_memory(self.memory)
         self.closing, self._thread = False, None
-        self.distributed = None if coordinator is None else coordinator.health   # what /health shows of the ranks
-        self.broken = None   # why the worker cannot go on (it stopped): /health and every new request answer 503
+        self.distributed = None if coordinator is None else coordinator.health  # what /health shows of the ranks
+        self.broken = None  # why the worker cannot go on (it stopped): /health and every new request answer 503
 
-    def queued(self)->int: return self.admission.queued()
-    def running(self)->int: return self.admission.running()
+    def queued(self) -> int:
+        return self.admission.queued()
+
+    def running(self) -> int:
+        return self.admission.running()
+
     @property
-    def held(self)->int: return self.admission.held   # bytes the running jobs are admitted with
+    def held(self) -> int:
+        return self.admission.held  # bytes the running jobs are admitted with
 
-    def memory(self)->dict:
+    def memory(self) -> dict:
         "The budget and what is held, in bytes, as `/health` and `/metrics` show them."
-        return {"budget": self.budget, "resident": self.resident, "requests": self.held,
-                "prompt_cache": self.cache.nbytes, "prompt_cache_entries": len(self.cache),
-                "mlx_active": mx.get_active_memory(), "rss": rss()}
+        return {
+            "budget": self.budget,
+            "resident": self.resident,
+            "requests": self.held,
+            "prompt_cache": self.cache.nbytes,
+            "prompt_cache_entries": len(self.cache),
+            "mlx_active": mx.get_active_memory(),
+            "rss": rss(),
+        }
 
 # %% ../../nbs/08f_engine.ipynb #5d3905c6
 @patch
-def start(self:Engine):
+def start(self: Engine):
     "Run the worker thread (again, after `close`)."
     self.closing = False
     if self._thread is None:
         self._thread = threading.Thread(target=self._guarded, name="specnb-worker", daemon=True)
         self._thread.start()
-    if self.coordinator is not None: self.coordinator.started()
+    if self.coordinator is not None:
+        self.coordinator.started()
+
 
 @patch
-def submit(self:Engine, *jobs:Job):
+def submit(self: Engine, *jobs: Job):
     "Queue a request's jobs (its `n` choices), all or none (`Admission.submit`); 503 once the server is stopping."
-    if self.closing: raise APIError(503, "the server is shutting down", type="server_error", code="server_shutdown")
-    if self.broken: raise unavailable(self.broken)
+    if self.closing:
+        raise APIError(503, "the server is shutting down", type="server_error", code="server_shutdown")
+    if self.broken:
+        raise unavailable(self.broken)
     self.admission.submit(*jobs)
 
-@patch
-def close(self:Engine, why:str="the server is shutting down"):
-    "Refuse new jobs, and stop every queued and running one: each is answered with a 503."
-    self.closing = True
-    for job in list(self.live): job.cancel(APIError(503, why, type="server_error", code="server_shutdown"))
 
 @patch
-def stop(self:Engine):
+def close(self: Engine, why: str = "the server is shutting down"):
+    "Refuse new jobs, and stop every queued and running one: each is answered with a 503."
+    self.closing = True
+    for job in list(self.live):
+        job.cancel(APIError(503, why, type="server_error", code="server_shutdown"))
+
+
+@patch
+def stop(self: Engine):
     "Stop every job (`close`), then the worker."
-    if self._thread is None: return
+    if self._thread is None:
+        return
     self.close()
     self.jobs.put(None)
     self._thread.join(timeout=10)
     self._thread = None
 
+
 @patch
-def fail(self:Engine, job:Job, e:Exception):
+def fail(self: Engine, job: Job, e: Exception):
     "Answer a job that failed, or will not run, with a 500 naming why (logged with its traceback), and forget it."
     log.error(f"request failed: {type(e).__name__}: {e}", exc_info=e)
     self.metrics.requests.labels(job.endpoint, "error").inc()
     job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
     self.admission.answered(job)
 
+
 @patch
-def _guarded(self:Engine):
+def _guarded(self: Engine):
     "The worker thread: its loop; if the loop itself ends in an error, every job it held or that waits is answered 503."
     try:
-        if self.coordinator is not None: self.coordinator.work(self)   # rank 0 of a split target: the ranks' loop
-        else: self.runner.work()
+        if self.coordinator is not None:
+            self.coordinator.work(self)  # rank 0 of a split target: the ranks' loop
+        else:
+            self.runner.work()
     except BaseException as e:
         log.exception("the model worker stopped")
         self.broken = f"{type(e).__name__}: {e}"
-        for job in self.admission.clear(): job.emit("error", unavailable(self.broken))
+        for job in self.admission.clear():
+            job.emit("error", unavailable(self.broken))
 
 # %% ../../nbs/08f_engine.ipynb #9683ab3b
 @patch
-def run(self:Engine, job:Job):
+def run(self: Engine, job: Job):
     "Generate one job's tokens on the calling thread (`Runner.run`)."
     return self.runner.run(job)
 
+
 @patch
-def serve_one(self:Engine, job:Job):
+def serve_one(self: Engine, job: Job):
     "Run one job taken from the queue (`OneAtATime.serve_one`)."
     return self.runner.serve_one(job)
 
+
 @patch
-def take(self:Engine, batch, wait:float|None=None)->list|None:
+def take(self: Engine, batch, wait: float | None = None) -> list | None:
     "The queued jobs that join `batch` now (`Admission.take`)."
     return self.admission.take(batch, wait)
 
+
 @patch
-def stopped(self:Engine)->list:
+def stopped(self: Engine) -> list:
     "The running jobs that should leave the batch (`Batched.stopped`)."
     return self.runner.stopped()
 
+
 @patch
-def batch_turn(self:Engine, batch, joins:list, leaving:list):
+def batch_turn(self: Engine, batch, joins: list, leaving: list):
     "One batched turn with its joins and leaves decided (`Batched.turn`)."
     return self.runner.turn(batch, joins, leaving)

@@ -15,71 +15,116 @@ from pathlib import Path
 import httpx
 
 # %% ../../nbs/08a_harness.ipynb #a1b2c306
-def _free_port()->int:
+def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 @dataclass
 class Served:
     "A running `specnb serve`: its base URL, its process, and the file its output goes to."
+
     url: str
     proc: subprocess.Popen
     log: Path
-    def output(self)->str: return self.log.read_text(errors="replace")
 
-def _command(ranks:int|None)->list:
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def _command(ranks: int | None) -> list:
     "The installed `specnb` — as `ranks` ranks of one `mlx.launch` job on this machine (ring backend) when given."
     exe = Path(sys.executable).with_name("specnb")
     cmd = [str(exe)] if exe.exists() else [shutil.which("specnb") or "specnb"]
-    if ranks is None: return cmd
+    if ranks is None:
+        return cmd
     launcher = Path(sys.executable).with_name("mlx.launch")
-    return [str(launcher) if launcher.exists() else shutil.which("mlx.launch") or "mlx.launch", "--backend", "ring", "-n", str(ranks), "--", *cmd]
+    return [
+        str(launcher) if launcher.exists() else shutil.which("mlx.launch") or "mlx.launch",
+        "--backend",
+        "ring",
+        "-n",
+        str(ranks),
+        "--",
+        *cmd,
+    ]
 
-def _group_alive(proc:subprocess.Popen)->bool:
+
+def _group_alive(proc: subprocess.Popen) -> bool:
     "Is any process of the job's group (the launcher and its ranks) still there?"
-    proc.poll()   # reap the launcher: a zombie still counts as a member
-    try: os.killpg(proc.pid, 0)
-    except ProcessLookupError: return False
+    proc.poll()  # reap the launcher: a zombie still counts as a member
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return False
     return True
 
-def _stop(proc:subprocess.Popen, job:bool):
-    "Stop the server: SIGTERM, or for an `mlx.launch` job Ctrl-C's SIGINT to all its processes (rank 0 stops, then tells the others); killed if it lingers."
+
+def _stop(proc: subprocess.Popen, job: bool):
+    """Stop the server: SIGTERM, or for an `mlx.launch` job Ctrl-C's SIGINT to all its processes (rank 0 stops, then
+    tells the others); killed if it lingers."""
     if not job:
         proc.terminate()
-        try: proc.wait(20)
-        except subprocess.TimeoutExpired: proc.kill(); proc.wait()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         return
-    if _group_alive(proc): os.killpg(proc.pid, signal.SIGINT)
+    if _group_alive(proc):
+        os.killpg(proc.pid, signal.SIGINT)
     t0 = time.monotonic()
-    while _group_alive(proc) and time.monotonic() - t0 < 20: time.sleep(0.1)
-    if _group_alive(proc): os.killpg(proc.pid, signal.SIGKILL)
+    while _group_alive(proc) and time.monotonic() - t0 < 20:
+        time.sleep(0.1)
+    if _group_alive(proc):
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
+
 @contextmanager
-def serve_process(*args, timeout:float=180, env:dict|None=None,
-                  ranks:int|None=None, # run `specnb serve --distributed` as this many ranks of an `mlx.launch` job (None: one process)
-                 ):
-    "Run `specnb serve ARGS` on a free loopback port while the block runs (with `env` added to the environment); yields a `Served`."
+def serve_process(
+    *args,
+    timeout: float = 180,
+    env: dict | None = None,
+    ranks: int
+    | None = None,  # run `specnb serve --distributed` as this many ranks of an `mlx.launch` job (None: one process)
+):
+    """Run `specnb serve ARGS` on a free loopback port while the block runs (with `env` added to the environment);
+    yields a `Served`."""
     cmd = _command(ranks) + ["serve", *(["--distributed"] if ranks else [])]
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "serve.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen(cmd + ["--port", str(port), "--log-level", "warning", *args], stdout=out, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **(env or {})}, start_new_session=ranks is not None)
+            proc = subprocess.Popen(
+                cmd + ["--port", str(port), "--log-level", "warning", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=ranks is not None,
+            )
         s, t0 = Served(f"http://127.0.0.1:{port}", proc, log), time.monotonic()
         try:
             while True:
-                if proc.poll() is not None: raise RuntimeError(f"specnb serve exited with status {proc.returncode}: {s.output().strip()}")
+                if proc.poll() is not None:
+                    raise RuntimeError(f"specnb serve exited with status {proc.returncode}: {s.output().strip()}")
                 try:
-                    if httpx.get(s.url + "/health", timeout=1).status_code == 200: break
-                except httpx.HTTPError: pass
-                if time.monotonic() - t0 > timeout: raise TimeoutError(f"specnb serve did not answer on {s.url} within {timeout}s")
+                    if httpx.get(s.url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() - t0 > timeout:
+                    raise TimeoutError(f"specnb serve did not answer on {s.url} within {timeout}s")
                 time.sleep(0.2)
             yield s
-        finally: _stop(proc, ranks is not None)
+        finally:
+            _stop(proc, ranks is not None)
+
 
 @contextmanager
-def running_server(*args, timeout:float=180, env:dict|None=None, ranks:int|None=None):
-    "Run `specnb serve ARGS` on a free loopback port while the block runs; yields the base URL (`http://127.0.0.1:PORT`)."
-    with serve_process(*args, timeout=timeout, env=env, ranks=ranks) as s: yield s.url
+def running_server(*args, timeout: float = 180, env: dict | None = None, ranks: int | None = None):
+    """Run `specnb serve ARGS` on a free loopback port while the block runs; yields the base URL
+    (`http://127.0.0.1:PORT`)."""
+    with serve_process(*args, timeout=timeout, env=env, ranks=ranks) as s:
+        yield s.url

@@ -17,41 +17,59 @@ from ..executor import spec_generate
 
 # %% ../../nbs/08e_memory.ipynb #39240506
 class PromptCache:
-    "Finished requests' caches — the target's and the draft's together — keyed by exactly the tokens both hold, bounded in entries and bytes."
-    def __init__(self, size:int, n_target:int, max_bytes:int=1 << 63):   # size: entries kept (0: off); n_target: how many caches the target has
+    """Finished requests' caches — the target's and the draft's together — keyed by exactly the tokens both hold,
+    bounded in entries and bytes."""
+
+    def __init__(
+        self, size: int, n_target: int, max_bytes: int = 1 << 63
+    ):  # size: entries kept (0: off); n_target: how many caches the target has
         self.lru, self.n_target = (LRUPromptCache(max_size=size, max_bytes=max_bytes) if size > 0 else None), n_target
 
-    def fetch(self, space:str, tokens:list)->tuple:
-        "`(target cache, draft cache, n)`: copies holding `tokens[:n]`, the longest cached prefix short of the last token."
+    def fetch(self, space: str, tokens: list) -> tuple:
+        """`(target cache, draft cache, n)`: copies holding `tokens[:n]`, the longest cached prefix short of the last
+        token."""
         cache, rest = self.lru.fetch_nearest_cache(space, list(tokens)) if self.lru is not None else (None, tokens)
-        if cache is None: return None, None, 0
-        if not rest:   # an exact hit: the last token must still be fed to produce the first logits
-            if not can_rollback(cache, 1): return None, None, 0   # mlx-lm's can_trim_prompt_cache says no to a wrapped ring
-            rollback(cache, 1); rest = tokens[-1:]
-        return cache[:self.n_target], cache[self.n_target:], len(tokens) - len(rest)
+        if cache is None:
+            return None, None, 0
+        if not rest:  # an exact hit: the last token must still be fed to produce the first logits
+            if not can_rollback(cache, 1):
+                return None, None, 0  # mlx-lm's can_trim_prompt_cache says no to a wrapped ring
+            rollback(cache, 1)
+            rest = tokens[-1:]
+        return cache[: self.n_target], cache[self.n_target :], len(tokens) - len(rest)
 
-    def insert(self, space:str, tokens:list, target_cache:list, draft_cache:list):
+    def insert(self, space: str, tokens: list, target_cache: list, draft_cache: list):
         "Keep caches that hold exactly `tokens` (the prompt plus the fed tokens)."
-        if self.lru is not None: self.lru.insert_cache(space, list(tokens), list(target_cache) + list(draft_cache))
+        if self.lru is not None:
+            self.lru.insert_cache(space, list(tokens), list(target_cache) + list(draft_cache))
 
     @property
-    def nbytes(self)->int: return 0 if self.lru is None else self.lru.nbytes
-    def __len__(self)->int: return 0 if self.lru is None else len(self.lru)
+    def nbytes(self) -> int:
+        return 0 if self.lru is None else self.lru.nbytes
 
-    def shrink(self, n_bytes:int|None=None, n_entries:int|None=None):
+    def __len__(self) -> int:
+        return 0 if self.lru is None else len(self.lru)
+
+    def shrink(self, n_bytes: int | None = None, n_entries: int | None = None):
         "Evict least-recently-used entries until the rest hold at most `n_bytes` and number at most `n_entries`."
-        if self.lru is not None: self.lru.trim_to(n_bytes=None if n_bytes is None else max(n_bytes, 0), n_sequences=n_entries)
+        if self.lru is not None:
+            self.lru.trim_to(n_bytes=None if n_bytes is None else max(n_bytes, 0), n_sequences=n_entries)
 
 # %% ../../nbs/08e_memory.ipynb #aee30665
 @dataclass
 class Footprint:
-    "Bytes a model's caches hold at `n` tokens: per allocated position (up to each cache's window), plus state that does not grow."
-    terms: list = field(default_factory=list)   # (bytes per position, most positions kept or None, allocation step), per attention cache
-    fixed: int = 0                              # recurrent state and the like
-    state: int = 0                              # the part of `fixed` a round copies per verified position (recurrent layers' state)
+    """Bytes a model's caches hold at `n` tokens: per allocated position (up to each cache's window), plus state that
+    does not grow."""
 
-    def bytes(self, n:int, width:int=0)->int:
-        "What the caches hold at `n` tokens, and while a round verifies `width` positions (a recurrent layer then also keeps its state before and after each)."
+    terms: list = field(
+        default_factory=list
+    )  # (bytes per position, most positions kept or None, allocation step), per attention cache
+    fixed: int = 0  # recurrent state and the like
+    state: int = 0  # the part of `fixed` a round copies per verified position (recurrent layers' state)
+
+    def bytes(self, n: int, width: int = 0) -> int:
+        """What the caches hold at `n` tokens, and while a round verifies `width` positions (a recurrent layer then also
+        keeps its state before and after each)."""
         total = self.fixed + (self.state * (width + 1) if width else 0)
         for per, cap, step in self.terms:
             k = n if cap is None else min(n, cap)
@@ -59,51 +77,73 @@ class Footprint:
         return int(total)
 
     @classmethod
-    def of(cls, caches:list)->"Footprint":
-        "Read off caches that have taken a few tokens: an attention cache's bytes over its allocated positions; the rest as fixed."
+    def of(cls, caches: list) -> "Footprint":
+        """Read off caches that have taken a few tokens: an attention cache's bytes over its allocated positions; the
+        rest as fixed."""
         fp = cls()
         for c in caches:
-            if hasattr(c, "caches"):   # mlx-lm's CacheList
-                inner = cls.of(c.caches); fp.terms += inner.terms; fp.fixed += inner.fixed; fp.state += inner.state
+            if hasattr(c, "caches"):  # mlx-lm's CacheList
+                inner = cls.of(c.caches)
+                fp.terms += inner.terms
+                fp.fixed += inner.fixed
+                fp.state += inner.state
                 continue
             keys = getattr(c, "keys", None)
-            keys = keys[0] if isinstance(keys, (tuple, list)) else keys   # a quantized cache keeps (packed, scales, biases)
-            if isinstance(c, ArraysCache): fp.state += c.nbytes   # conv and SSM state: captured per position while a round is checked (04b, 04e)
-            if keys is None or keys.ndim < 3: fp.fixed += c.nbytes; continue
+            keys = (
+                keys[0] if isinstance(keys, (tuple, list)) else keys
+            )  # a quantized cache keeps (packed, scales, biases)
+            if isinstance(c, ArraysCache):
+                fp.state += c.nbytes  # conv and SSM state: captured per position while a round is checked (04b, 04e)
+            if keys is None or keys.ndim < 3:
+                fp.fixed += c.nbytes
+                continue
             cap = getattr(c, "capacity", None) or getattr(c, "max_size", None)
             fp.terms.append((c.nbytes / keys.shape[-2], cap, getattr(c, "step", 1)))
         return fp
 
-def measure_footprints(model, provider, num_draft_tokens:int=3)->tuple:
-    "The target's and the draft's `Footprint`, read off a short generation that keeps its caches (it also warms MLX's kernels)."
+
+def measure_footprints(model, provider, num_draft_tokens: int = 3) -> tuple:
+    """The target's and the draft's `Footprint`, read off a short generation that keeps its caches (it also warms MLX's
+    kernels)."""
     cache = make_prompt_cache(model)
-    res = spec_generate(model, provider, [1, 2, 3, 4], max_tokens=2, num_draft_tokens=max(num_draft_tokens, 1), prompt_cache=cache)
+    res = spec_generate(
+        model, provider, [1, 2, 3, 4], max_tokens=2, num_draft_tokens=max(num_draft_tokens, 1), prompt_cache=cache
+    )
     return Footprint.of(cache), Footprint.of(res.draft_cache or [])
 
 # %% ../../nbs/08e_memory.ipynb #db37c61c
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
-def parse_bytes(text:str, name:str="size")->int:
+
+def parse_bytes(text: str, name: str = "size") -> int:
     "Bytes from `text`: a number, with K, M, G, T (powers of 1000) or Ki, Mi, Gi, Ti (of 1024) and an optional B."
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]i?)?b?\s*", str(text).lower())
-    if m is None: raise ValueError(f"{name} must be a size such as 512M, 16GiB or 1000000, got {text!r}")
+    if m is None:
+        raise ValueError(f"{name} must be a size such as 512M, 16GiB or 1000000, got {text!r}")
     return int(float(m[1]) * _UNITS[m[2] or ""])
 
-def default_budget()->int:
+
+def default_budget() -> int:
     "MLX's recommended working set where the device reports one (Metal), else three quarters of physical memory."
     info = mx.device_info() if hasattr(mx, "device_info") else {}
-    if info.get("max_recommended_working_set_size"): return int(info["max_recommended_working_set_size"])
+    if info.get("max_recommended_working_set_size"):
+        return int(info["max_recommended_working_set_size"])
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 3 // 4)
 
-def rss()->int|None:
+
+def rss() -> int | None:
     "This process's resident set size, where /proc tells it (Linux); None elsewhere."
     try:
-        with open("/proc/self/statm") as f: return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError: return None
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
 
-def mib(n:int)->str: return f"{n / 2**20:,.1f} MiB"
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 # %% ../../nbs/08e_memory.ipynb #e47eb139
-def held_by(reserved:list)->int:
+def held_by(reserved: list) -> int:
     "Bytes requests with these reservations hold running together: rows padded to the largest (the one admission rule)."
     return len(reserved) * max(reserved, default=0)

@@ -19,48 +19,99 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 # %% ../../nbs/08c_protocol.ipynb #d9fb03c6
 class APIError(Exception):
     "An error with an HTTP status, answered as OpenAI's error object."
-    def __init__(self, status:int, message:str, param:str|None=None, code:str|None=None, type:str="invalid_request_error", headers=None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type, self.headers = status, message, param, code, type, headers
 
-    def body(self)->dict: return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-    def response(self)->JSONResponse: return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers=None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type, self.headers = (
+            status,
+            message,
+            param,
+            code,
+            type,
+            headers,
+        )
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 # %% ../../nbs/08c_protocol.ipynb #1cfd92bd
-def speculation_usage(st)->dict:
+def speculation_usage(st) -> dict:
     "The `usage.speculation` object of a response, from the request's `SpecStats`."
-    return {"rule": st.rule, "drafted": st.drafted, "accepted": st.accepted, "target_calls": st.target_calls, "rounds": st.rounds,
-            "acceptance_rate": round(st.acceptance_rate, 4), "mean_accepted_length": round(st.mean_accepted_length, 4),
-            "drafted_by_position": list(st.drafted_by_pos), "accepted_by_position": list(st.accepted_by_pos)}
+    return {
+        "rule": st.rule,
+        "drafted": st.drafted,
+        "accepted": st.accepted,
+        "target_calls": st.target_calls,
+        "rounds": st.rounds,
+        "acceptance_rate": round(st.acceptance_rate, 4),
+        "mean_accepted_length": round(st.mean_accepted_length, 4),
+        "drafted_by_position": list(st.drafted_by_pos),
+        "accepted_by_position": list(st.accepted_by_pos),
+    }
 
-def usage(n_prompt:int, n_completion:int, n_cached:int, st)->dict:
-    "OpenAI's `usage` of an answer, with how much of the prompt the cache held and the request's `speculation` counters."
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion,
-            "prompt_tokens_details": {"cached_tokens": n_cached}, "speculation": speculation_usage(st)}
 
-def merged_usage(usages:list)->dict:
-    "The `usage` of `n` choices of one prompt: the prompt counted once, the choices' completions and speculation counters added up."
+def usage(n_prompt: int, n_completion: int, n_cached: int, st) -> dict:
+    """OpenAI's `usage` of an answer, with how much of the prompt the cache held and the request's `speculation`
+    counters."""
+    return {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": n_completion,
+        "total_tokens": n_prompt + n_completion,
+        "prompt_tokens_details": {"cached_tokens": n_cached},
+        "speculation": speculation_usage(st),
+    }
+
+
+def merged_usage(usages: list) -> dict:
+    """The `usage` of `n` choices of one prompt: the prompt counted once, the choices' completions and speculation
+    counters added up."""
     first, sp = usages[0], [u["speculation"] for u in usages]
     add = lambda k: sum(s[k] for s in sp)
     drafted, accepted, rounds = add("drafted"), add("accepted"), add("rounds")
     done = sum(u["completion_tokens"] for u in usages)
-    return {**first, "completion_tokens": done, "total_tokens": first["prompt_tokens"] + done,
-            "speculation": {**sp[0], "drafted": drafted, "accepted": accepted, "target_calls": add("target_calls"), "rounds": rounds,
-                            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-                            "mean_accepted_length": round(1 + accepted / rounds, 4) if rounds else 0.0,
-                            "drafted_by_position": [sum(x) for x in zip(*(s["drafted_by_position"] for s in sp))],
-                            "accepted_by_position": [sum(x) for x in zip(*(s["accepted_by_position"] for s in sp))]}}
-
+    return {
+        **first,
+        "completion_tokens": done,
+        "total_tokens": first["prompt_tokens"] + done,
+        "speculation": {
+            **sp[0],
+            "drafted": drafted,
+            "accepted": accepted,
+            "target_calls": add("target_calls"),
+            "rounds": rounds,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "mean_accepted_length": round(1 + accepted / rounds, 4) if rounds else 0.0,
+            "drafted_by_position": [sum(x) for x in zip(*(s["drafted_by_position"] for s in sp))],
+            "accepted_by_position": [sum(x) for x in zip(*(s["accepted_by_position"] for s in sp))],
+        },
+    }
 
 # %% ../../nbs/08c_protocol.ipynb #88bbf1a0
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)   # an unknown field is a 400 naming it, never dropped
+    model_config = ConfigDict(
+        extra="forbid", strict=True, populate_by_name=True
+    )  # an unknown field is a 400 naming it, never dropped
 
-def _integral(v): return int(v) if isinstance(v, float) and v.is_integer() else v
+
+def _integral(v):
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
 
 def _Int(**bounds):
-    "JSON Schema's integer, within `bounds`: 2 and 2.0 alike; \"2\", 2.5 and true are errors."
+    'JSON Schema\'s integer, within `bounds`: 2 and 2.0 alike; "2", 2.5 and true are errors.'
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
 
 class JSONSchemaFormat(_Body):
     name: str | None = None
@@ -68,37 +119,46 @@ class JSONSchemaFormat(_Body):
     schema_: dict = Field(alias="schema")
     strict: bool | None = None
 
+
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
+
 class StreamOptions(_Body):
     include_usage: bool = False
+
 
 class TextPart(_Body):
     type: Literal["text"]
     text: str
 
+
 class Prediction(_Body):
     type: Literal["content"]
     content: str | list[TextPart]
 
+
 class Function(_Body):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
-    parameters: dict | None = None   # a JSON schema of the arguments
-    strict: bool | None = None       # true: the call is produced under a grammar of that schema
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # true: the call is produced under a grammar of that schema
+
 
 class Tool(_Body):
     type: Literal["function"]
     function: Function
 
+
 class FunctionName(_Body):
     name: str
+
 
 class NamedToolChoice(_Body):
     type: Literal["function"]
     function: FunctionName
+
 
 class BaseRequest(_Body):
     model: str | None = None
@@ -107,10 +167,12 @@ class BaseRequest(_Body):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: _Int(ge=0) = 0
     min_p: float = Field(0.0, ge=0, le=1)
-    seed: _Int(ge=0, lt=2**64) | None = None   # MLX's seeds are 64-bit unsigned
+    seed: _Int(ge=0, lt=2**64) | None = None  # MLX's seeds are 64-bit unsigned
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
-    repetition_penalty: float | None = Field(None, ge=1e-3, le=1e3)   # past these the scaled logits overflow float32: NaN, any token
+    repetition_penalty: float | None = Field(
+        None, ge=1e-3, le=1e3
+    )  # past these the scaled logits overflow float32: NaN, any token
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     response_format: ResponseFormat | None = None
@@ -118,29 +180,31 @@ class BaseRequest(_Body):
     acceptance: Literal["match", "rejection"] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: _Int(ge=1, le=16) = 1                                      # choices, sharing the prompt's prefill
+    n: _Int(ge=1, le=16) = 1  # choices, sharing the prompt's prefill
     user: str | None = None
     metadata: dict[str, str] | None = Field(None, max_length=16)
-    store: bool | None = None                                     # true is refused: nothing is stored
+    store: bool | None = None  # true is refused: nothing is stored
     service_tier: Literal["auto", "default"] | None = None
-    min_tokens: _Int(ge=0) = 0                                    # vLLM's and mlx-lm's extensions, honoured
+    min_tokens: _Int(ge=0) = 0  # vLLM's and mlx-lm's extensions, honoured
     ignore_eos: bool = False
     repetition_context_size: _Int(ge=1, le=4096) = 20
-    xtc_probability: float = Field(0.0, ge=0, le=1)               # mlx-lm's XTC sampler, honoured under both acceptance rules
-    xtc_threshold: float = Field(0.1, ge=0, le=0.5)               # (mlx-lm's apply_xtc refuses a threshold past 0.5)
-    draft_model: str | None = None                                # mlx_lm.server's per-request draft: refused (the server's own drafts)
-    prediction: Prediction | None = None                          # OpenAI's predicted output: drafted from, first
+    xtc_probability: float = Field(0.0, ge=0, le=1)  # mlx-lm's XTC sampler, honoured under both acceptance rules
+    xtc_threshold: float = Field(0.1, ge=0, le=0.5)  # (mlx-lm's apply_xtc refuses a threshold past 0.5)
+    draft_model: str | None = None  # mlx_lm.server's per-request draft: refused (the server's own drafts)
+    prediction: Prediction | None = None  # OpenAI's predicted output: drafted from, first
+
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None              # handed to the chat template with the message
-    tool_calls: list[dict] | None = None # an assistant's earlier tool calls, handed to the template
-    tool_call_id: str | None = None      # the call a tool message answers, handed to the template
-    refusal: None = None                 # an assistant message as OpenAI's API returns it: these are empty
+    name: str | None = None  # handed to the chat template with the message
+    tool_calls: list[dict] | None = None  # an assistant's earlier tool calls, handed to the template
+    tool_call_id: str | None = None  # the call a tool message answers, handed to the template
+    refusal: None = None  # an assistant message as OpenAI's API returns it: these are empty
     audio: None = None
     function_call: None = None
     annotations: Annotated[list, Field(max_length=0)] | None = None
+
 
 class ChatRequest(BaseRequest):
     messages: list[Message] = Field(min_length=1)
@@ -148,76 +212,110 @@ class ChatRequest(BaseRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None   # handed to a chat template that reads it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = (
+        None  # handed to a chat template that reads it
+    )
     modalities: list[Literal["text"]] | None = None
     logprobs: bool | None = None
     top_logprobs: _Int(ge=0, le=20) | None = None
-    chat_template_kwargs: dict | None = None   # passed to the chat template, as mlx_lm.server does (e.g. enable_thinking)
+    chat_template_kwargs: dict | None = (
+        None  # passed to the chat template, as mlx_lm.server does (e.g. enable_thinking)
+    )
+
 
 class CompletionRequest(BaseRequest):
     prompt: str | list[_Int()] | list[str]
     echo: bool = False
-    logprobs: _Int(ge=0, le=20) | None = None   # the top alternatives per token (0: the token's own logprob only)
+    logprobs: _Int(ge=0, le=20) | None = None  # the top alternatives per token (0: the token's own logprob only)
     suffix: str | None = None
     best_of: _Int(ge=1) | None = None
 
 # %% ../../nbs/08c_protocol.ipynb #78d465c7
-def _error_message(e:dict)->str:
+def _error_message(e: dict) -> str:
     "One line from a pydantic error: the field, what was wrong, the value given."
     loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
-    if e.get("type") == "missing": return f"{loc}: field required"
+    if e.get("type") == "missing":
+        return f"{loc}: field required"
     value = repr(e.get("input"))
     value = value[:80] + "…" if len(value) > 80 else value
-    if e.get("type") == "extra_forbidden": return f"{loc}: unknown field, which this server does not read (got {value}): refused rather than ignored"
+    if e.get("type") == "extra_forbidden":
+        return f"{loc}: unknown field, which this server does not read (got {value}): refused rather than ignored"
     return f"{loc}: {e.get('msg', 'invalid')} (got {value})"
 
-def _json_message(e:dict, doc)->str:
+
+def _json_message(e: dict, doc) -> str:
     "What is wrong with a body that is not JSON, and where: a line and column, as an editor shows them."
     doc, pos = doc.decode(errors="replace") if isinstance(doc, bytes) else str(doc or ""), e["loc"][-1]
     line, column = doc.count("\n", 0, pos) + 1, pos - doc.rfind("\n", 0, pos)
-    return f"We could not parse the JSON body of your request: {e.get('ctx', {}).get('error', 'parse error')} (at line {line} column {column})"
+    return (
+        f"We could not parse the JSON body of your request: {e.get('ctx', {}).get('error', 'parse error')} (at "
+        f"line {line} column {column})"
+    )
 
-def validation_error(e:RequestValidationError)->APIError:
+
+def validation_error(e: RequestValidationError) -> APIError:
     "OpenAI's 400 for a body FastAPI refused: `param` names the top-level field (none when the body is not JSON)."
-    if not (errs := e.errors()): return APIError(400, "invalid request")
-    if errs[0].get("type") == "json_invalid": return APIError(400, _json_message(errs[0], e.body))
+    if not (errs := e.errors()):
+        return APIError(400, "invalid request")
+    if errs[0].get("type") == "json_invalid":
+        return APIError(400, _json_message(errs[0], e.body))
     param = ".".join(str(x) for x in errs[0].get("loc", ())[1:2])
     return APIError(400, _error_message(errs[0]), param or None)
 
 # %% ../../nbs/08c_protocol.ipynb #0d8688f4
-def _chat_delta(delta:dict)->dict:
-    "A chat delta or message's fields from a turn's delta: content, the reasoning (as `reasoning_content` and mlx_lm.server's `reasoning`), tool calls."
+def _chat_delta(delta: dict) -> dict:
+    """A chat delta or message's fields from a turn's delta: content, the reasoning (as `reasoning_content` and
+    mlx_lm.server's `reasoning`), tool calls."""
     out = {"content": delta["content"]} if delta.get("content") else {}
-    if delta.get("reasoning"): out.update(reasoning_content=delta["reasoning"], reasoning=delta["reasoning"])
-    if delta.get("tool_calls"): out["tool_calls"] = delta["tool_calls"]
+    if delta.get("reasoning"):
+        out.update(reasoning_content=delta["reasoning"], reasoning=delta["reasoning"])
+    if delta.get("tool_calls"):
+        out["tool_calls"] = delta["tool_calls"]
     return out
 
+
 class Reply:
-    "The shape of one request's answer — its id, object names and model — as stream chunks or one body, with one choice or `n`."
-    def __init__(self, endpoint:str, model:str, usage_wanted:bool):
-        self.chat, self.model, self.usage_wanted, self.created = endpoint == "chat", model, usage_wanted, int(time.time())
+    """The shape of one request's answer — its id, object names and model — as stream chunks or one body, with one
+    choice or `n`."""
+
+    def __init__(self, endpoint: str, model: str, usage_wanted: bool):
+        self.chat, self.model, self.usage_wanted, self.created = (
+            endpoint == "chat",
+            model,
+            usage_wanted,
+            int(time.time()),
+        )
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
-    def _answer(self, choices:list, streamed:bool)->dict:
+    def _answer(self, choices: list, streamed: bool) -> dict:
         kind = ("chat.completion.chunk" if streamed else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def chunk(self, delta:str|dict|None=None, finish=None, role=False, logprobs=None, index:int=0)->dict:
-        "One streamed chunk of choice `index`: the assistant's role, a delta (text, or a turn's content, reasoning and tool calls), its logprobs, or the finish reason."
+    def chunk(self, delta: str | dict | None = None, finish=None, role=False, logprobs=None, index: int = 0) -> dict:
+        """One streamed chunk of choice `index`: the assistant's role, a delta (text, or a turn's content, reasoning and
+        tool calls), its logprobs, or the finish reason."""
         delta = {"content": delta} if isinstance(delta, str) else delta or {}
-        if self.chat: choice = {"index": index, "delta": {"role": "assistant", "content": ""} if role else _chat_delta(delta)}
-        else: choice = {"index": index, "text": delta.get("content", "")}
+        if self.chat:
+            choice = {"index": index, "delta": {"role": "assistant", "content": ""} if role else _chat_delta(delta)}
+        else:
+            choice = {"index": index, "text": delta.get("content", "")}
         out = self._answer([{**choice, "finish_reason": finish, "logprobs": logprobs}], True)
-        if self.usage_wanted: out["usage"] = None
+        if self.usage_wanted:
+            out["usage"] = None
         return out
 
-    def choice(self, index:int, delta:str|dict, finish:str, logprobs=None)->dict:
+    def choice(self, index: int, delta: str | dict, finish: str, logprobs=None) -> dict:
         "One whole choice: a chat message (content null when the turn is only tool calls) or a completion's text."
         delta = {"content": delta} if isinstance(delta, str) else delta
-        if not self.chat: return {"index": index, "text": delta.get("content", ""), "finish_reason": finish, "logprobs": logprobs}
-        message = {"role": "assistant", "content": delta.get("content") or (None if delta.get("tool_calls") else ""), **_chat_delta(delta)}
+        if not self.chat:
+            return {"index": index, "text": delta.get("content", ""), "finish_reason": finish, "logprobs": logprobs}
+        message = {
+            "role": "assistant",
+            "content": delta.get("content") or (None if delta.get("tool_calls") else ""),
+            **_chat_delta(delta),
+        }
         return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
 
-    def body(self, choices:list, usage:dict)->dict:
+    def body(self, choices: list, usage: dict) -> dict:
         "The whole answer, not streamed: its choices (from `choice`) and usage."
         return {**self._answer(choices, False), "usage": usage}

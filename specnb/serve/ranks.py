@@ -24,111 +24,175 @@ from ..batching.rounds import Batch
 from .app import cmd_serve, engine_options, server_limits
 
 # %% ../../nbs/08b_serve_distributed.ipynb #8b000007
-def idle_tick(n:int)->float:
-    "Seconds until rank 0 next speaks after `n` 'nothing yet's in a row: 0 after a job (more may be queued), then 20 ms, doubling every ten to 160 ms."
+def idle_tick(n: int) -> float:
+    """Seconds until rank 0 next speaks after `n` 'nothing yet's in a row: 0 after a job (more may be queued), then 20
+    ms, doubling every ten to 160 ms."""
     return 0.0 if n == 0 else min(0.02 * 2 ** ((n - 1) // 10), 0.16)
 
-def describe(job:Job)->dict:
-    "What the other ranks need to build `job` as rank 0 did: its endpoint, prompt ids, request body (as JSON) and seed."
-    if job.request is None: raise ValueError("a job for a split target needs the request it came from (Job.request): the other ranks rebuild the job from it")
-    return {"endpoint": job.endpoint, "prompt": list(job.prompt), "seed": job.seed,
-            "body": job.request.model_dump_json(by_alias=True, exclude_unset=True)}
 
-def rebuild(engine:Engine, spec:dict)->Job:
-    "The job `describe` described, built on this rank from the same request by the same `make_job`; its time limit is rank 0's to judge."
+def describe(job: Job) -> dict:
+    "What the other ranks need to build `job` as rank 0 did: its endpoint, prompt ids, request body (as JSON) and seed."
+    if job.request is None:
+        raise ValueError(
+            "a job for a split target needs the request it came from (Job.request): the other ranks rebuild the job "
+            "from it"
+        )
+    return {
+        "endpoint": job.endpoint,
+        "prompt": list(job.prompt),
+        "seed": job.seed,
+        "body": job.request.model_dump_json(by_alias=True, exclude_unset=True),
+    }
+
+
+def rebuild(engine: Engine, spec: dict) -> Job:
+    """The job `describe` described, built on this rank from the same request by the same `make_job`; its time limit is
+    rank 0's to judge."""
     req = (ChatRequest if spec["endpoint"] == "chat" else CompletionRequest).model_validate_json(spec["body"])
     tools = tool_dicts(req) if spec["endpoint"] == "chat" else None
-    job = make_job(engine.limits, req, spec["endpoint"], spec["prompt"], turn_grammar(engine.tokenizer, req, tools, spec["prompt"]))
+    job = make_job(
+        engine.limits, req, spec["endpoint"], spec["prompt"], turn_grammar(engine.tokenizer, req, tools, spec["prompt"])
+    )
     job.request, job.seed, job.timeout = req, spec["seed"], None
     return job
 
 # %% ../../nbs/08b_serve_distributed.ipynb #8b00000b
 class RankCoordinator:
-    "What the `Engine` of one rank of a split target is given: rank 0's worker hands each job (or each batched turn) to the other ranks, and all of them run it together."
+    """What the `Engine` of one rank of a split target is given: rank 0's worker hands each job (or each batched turn)
+    to the other ranks, and all of them run it together."""
 
     def __init__(self, ranks):
-        self.ranks, self.group, self.lead, self.watch = ranks, ranks.group, ranks.lead, Watchdog(ranks.timeout, ranks.rank)
-        self.health = {"ranks": self.group.size(), "rank": ranks.rank, "parallel": "pipeline" if ranks.pipeline else "tensor",
-                       "rank_timeout": ranks.timeout}
+        self.ranks, self.group, self.lead, self.watch = (
+            ranks,
+            ranks.group,
+            ranks.lead,
+            Watchdog(ranks.timeout, ranks.rank),
+        )
+        self.health = {
+            "ranks": self.group.size(),
+            "rank": ranks.rank,
+            "parallel": "pipeline" if ranks.pipeline else "tensor",
+            "rank_timeout": ranks.timeout,
+        }
 
     def started(self):
-        "The worker started. uvicorn took SIGTERM for a graceful stop; under `mlx.launch` it means another rank died: one line, exit 1."
+        """The worker started. uvicorn took SIGTERM for a graceful stop; under `mlx.launch` it means another rank died:
+        one line, exit 1."""
         on_peer_exit(self.ranks.rank)
 
-def rank_engine(pair, provider=None, *, ranks, prompt_cache_bytes:int|None=None, **kw)->Engine:
+
+def rank_engine(pair, provider=None, *, ranks, prompt_cache_bytes: int | None = None, **kw) -> Engine:
     "The `Engine` of one rank: the server's own, given a `RankCoordinator`."
     # the other ranks' prompt caches evict what rank 0's evicted, by count: no byte bound of their own
-    return Engine(pair, provider, coordinator=RankCoordinator(ranks), prompt_cache_bytes=prompt_cache_bytes if ranks.lead else 1 << 62, **kw)
+    return Engine(
+        pair,
+        provider,
+        coordinator=RankCoordinator(ranks),
+        prompt_cache_bytes=prompt_cache_bytes if ranks.lead else 1 << 62,
+        **kw,
+    )
 
 # %% ../../nbs/08b_serve_distributed.ipynb #8b00000c
-def _vote(group, flag:bool)->int:
+def _vote(group, flag: bool) -> int:
     "How many ranks raise `flag`: one all-sum."
     return mx.distributed.all_sum(mx.array(int(flag)), group=group, stream=mx.cpu).item()
 
+
 @patch
-def agree(self:RankCoordinator, stop:bool)->bool:
-    "Stop when any rank says stop — rank 0: its client left, its time ran out, the server stops. Every look is also progress, for the watchdog."
+def agree(self: RankCoordinator, stop: bool) -> bool:
+    """Stop when any rank says stop — rank 0: its client left, its time ran out, the server stops. Every look is also
+    progress, for the watchdog."""
     self.watch.beat()
     return _vote(self.group, stop) > 0
 
-@patch
-@contextmanager
-def running(self:RankCoordinator, engine:Engine, job:Job|None):
-    "Around one job's run on every rank (None: this rank could not build it, so no rank runs it): rank 0 hands it over first."
-    if self.lead:
-        if job.seed is None: job.seed = int.from_bytes(os.urandom(4), "little")   # a sampled request draws the same numbers on every rank
-        share({"job": describe(job), "keep": len(engine.cache)}, self.group)
-    if (missing := _vote(self.group, job is None)):
-        raise RuntimeError(f"{missing} of {self.group.size()} ranks could not start this request, so no rank runs it")
-    job.agree = self.agree
-    with self.watch: yield
 
 @patch
-def agree_tokens(self:RankCoordinator, tokens:list):
-    "Every rank's tokens agreed before the prompt cache keeps them: a rank out of step fails the request on all of them."
+@contextmanager
+def running(self: RankCoordinator, engine: Engine, job: Job | None):
+    """Around one job's run on every rank (None: this rank could not build it, so no rank runs it): rank 0 hands it over
+    first."""
+    if self.lead:
+        if job.seed is None:
+            job.seed = int.from_bytes(os.urandom(4), "little")  # a sampled request draws the same numbers on every rank
+        share({"job": describe(job), "keep": len(engine.cache)}, self.group)
+    if missing := _vote(self.group, job is None):
+        raise RuntimeError(f"{missing} of {self.group.size()} ranks could not start this request, so no rank runs it")
+    job.agree = self.agree
+    with self.watch:
+        yield
+
+
+@patch
+def agree_tokens(self: RankCoordinator, tokens: list):
+    """Every rank's tokens agreed before the prompt cache keeps them: a rank out of step fails the request on all of
+    them."""
     agree_everywhere(tokens, self.group)
 
 # %% ../../nbs/08b_serve_distributed.ipynb #18adc43f
-def _never(stop:bool)->bool: return False   # a joined job's own look, inside a batched turn: only a leave, decided by rank 0, stops it
+def _never(stop: bool) -> bool:
+    return False  # a joined job's own look, inside a batched turn: only a leave, decided by rank 0, stops it
+
 
 @patch
-def unbuilt(self:RankCoordinator, joins:list)->list:
+def unbuilt(self: RankCoordinator, joins: list) -> list:
     "Which of a turn's joins some rank could not build (None here): one all-sum over them."
-    if not joins: return []
+    if not joins:
+        return []
     here = mx.array([int(j is None) for j in joins])
     return [n > 0 for n in mx.distributed.all_sum(here, group=self.group, stream=mx.cpu).tolist()]
 
+
 @patch
-def turn(self:RankCoordinator, engine:Engine, batch:Batch, joins:list, leaving:list):
+def turn(self: RankCoordinator, engine: Engine, batch: Batch, joins: list, leaving: list):
     "One batched turn, the same on every rank: the joins every rank could build, the leaves, one round."
     bad = self.unbuilt(joins)
     for job, b in zip(joins, bad):
-        if job is None or not b: continue
-        engine.fail(job, RuntimeError(f"a rank of {self.group.size()} could not start this request, so no rank runs it"))
+        if job is None or not b:
+            continue
+        engine.fail(
+            job, RuntimeError(f"a rank of {self.group.size()} could not start this request, so no rank runs it")
+        )
     joins = [j for j, b in zip(joins, bad) if not b]
-    for job in joins: job.agree = _never
-    engine.batch_turn(batch, joins, leaving)   # the caller holds the watchdog armed (`--rank-timeout`)
+    for job in joins:
+        job.agree = _never
+    engine.batch_turn(batch, joins, leaving)  # the caller holds the watchdog armed (`--rank-timeout`)
+
 
 @patch
-def work_batched(self:RankCoordinator, engine:Engine):
-    "Rank 0's batched worker: each turn, who joins and who leaves, told to every rank, then the turn; idle, 'nothing yet' at the tick."
+def work_batched(self: RankCoordinator, engine: Engine):
+    """Rank 0's batched worker: each turn, who joins and who leaves, told to every rank, then the turn; idle, 'nothing
+    yet' at the tick."""
     batch, due, idle, ids, n = Batch(engine.model, interleave_prefill=True), time.monotonic(), 0, {}, 0
     while True:
         busy = bool(len(batch) or batch.early)
         joins = engine.take(batch, wait=None if busy else max(due - time.monotonic(), 0))
-        time.sleep(max(due - time.monotonic(), 0))   # the others look at `due`
-        stopping = joins is None   # the server stops: `close` cancelled every job, so they all leave now, then every rank ends
+        time.sleep(max(due - time.monotonic(), 0))  # the others look at `due`
+        stopping = (
+            joins is None
+        )  # the server stops: `close` cancelled every job, so they all leave now, then every rank ends
         joins, leaving = joins or [], engine.stopped()
         if not (busy or joins or leaving):
-            if not stopping: share({}, self.group)
+            if not stopping:
+                share({}, self.group)
             idle += 1
         else:
             for job in joins:
-                if job.seed is None: job.seed = int.from_bytes(os.urandom(4), "little")   # the same draws on every rank
+                if job.seed is None:
+                    job.seed = int.from_bytes(os.urandom(4), "little")  # the same draws on every rank
                 ids[job], n = n, n + 1
-            with self.watch:   # from the turn's message to its end, a peer that dies or hangs ends this rank within --rank-timeout
-                share({"turn": {"join": [{**describe(j), "id": ids[j]} for j in joins], "leave": [ids[j] for j in leaving],
-                                "keep": len(engine.cache)}}, self.group)
+            with (
+                self.watch
+            ):  # from the turn's message to its end, a peer that dies or hangs ends this rank within --rank-timeout
+                share(
+                    {
+                        "turn": {
+                            "join": [{**describe(j), "id": ids[j]} for j in joins],
+                            "leave": [ids[j] for j in leaving],
+                            "keep": len(engine.cache),
+                        }
+                    },
+                    self.group,
+                )
                 self.turn(engine, batch, joins, leaving)
             ids, idle = {j: i for j, i in ids.items() if j in engine.active}, 0
         if stopping:
@@ -136,68 +200,104 @@ def work_batched(self:RankCoordinator, engine:Engine):
             return share(None, self.group)
         due = time.monotonic() + idle_tick(idle)
 
-def follow_turn(engine:Engine, batch:Batch, turn:dict, jobs:dict)->Batch:
-    "A rank other than 0: the turn rank 0 described — its prompt cache evicted as rank 0's, the jobs rebuilt — run in step; `jobs` keeps the batch's by id."
+
+def follow_turn(engine: Engine, batch: Batch, turn: dict, jobs: dict) -> Batch:
+    """A rank other than 0: the turn rank 0 described — its prompt cache evicted as rank 0's, the jobs rebuilt — run in
+    step; `jobs` keeps the batch's by id."""
     engine.cache.shrink(n_entries=turn["keep"])
     joins = []
     for spec in turn["join"]:
-        try: job = rebuild(engine, spec)
+        try:
+            job = rebuild(engine, spec)
         except Exception:
             log.exception("this rank could not build the request")
             job = None
         joins.append(job)
-        if job is not None: jobs[spec["id"]] = job
-    with engine.coordinator.watch: engine.coordinator.turn(engine, batch, joins, [jobs[i] for i in turn["leave"]])
-    for i in [i for i, j in jobs.items() if j not in engine.active]: del jobs[i]
+        if job is not None:
+            jobs[spec["id"]] = job
+    with engine.coordinator.watch:
+        engine.coordinator.turn(engine, batch, joins, [jobs[i] for i in turn["leave"]])
+    for i in [i for i, j in jobs.items() if j not in engine.active]:
+        del jobs[i]
     return batch
 
 # %% ../../nbs/08b_serve_distributed.ipynb #8b00000e
 @patch
-def work(self:RankCoordinator, engine:Engine):
-    "Rank 0's worker: hand the other ranks each job; with none queued, say 'nothing yet' at every tick; `None` (the server stops) ends every rank."
-    if engine.max_batch_size > 1: return self.work_batched(engine)
+def work(self: RankCoordinator, engine: Engine):
+    """Rank 0's worker: hand the other ranks each job; with none queued, say 'nothing yet' at every tick; `None` (the
+    server stops) ends every rank."""
+    if engine.max_batch_size > 1:
+        return self.work_batched(engine)
     due, idle = time.monotonic(), 0
     while True:
-        try: job = engine.jobs.get(timeout=max(due - time.monotonic(), 0))
-        except queue.Empty: job = False
-        time.sleep(max(due - time.monotonic(), 0))   # the others look at `due`: meet them then, rather than spin waiting in a collective
-        if job is None: return share(None, self.group)
-        if job is False: share({}, self.group)
-        else: engine.serve_one(job)                 # shares the job, unless it was stopped while it waited
+        try:
+            job = engine.jobs.get(timeout=max(due - time.monotonic(), 0))
+        except queue.Empty:
+            job = False
+        time.sleep(
+            max(due - time.monotonic(), 0)
+        )  # the others look at `due`: meet them then, rather than spin waiting in a collective
+        if job is None:
+            return share(None, self.group)
+        if job is False:
+            share({}, self.group)
+        else:
+            engine.serve_one(job)  # shares the job, unless it was stopped while it waited
         idle = idle + 1 if job is False else 0
         due = time.monotonic() + idle_tick(idle)
 
-def follow_one(engine:Engine, msg:dict):
-    "Run the job rank 0 described, after evicting what rank 0's prompt cache evicted; a failure here fails it on every rank."
+
+def follow_one(engine: Engine, msg: dict):
+    """Run the job rank 0 described, after evicting what rank 0's prompt cache evicted; a failure here fails it on every
+    rank."""
     engine.cache.shrink(n_entries=msg["keep"])
-    try: job = rebuild(engine, msg["job"])
+    try:
+        job = rebuild(engine, msg["job"])
     except Exception:
         log.exception("this rank could not build the request")
         job = None
-    try: engine.run(job)
-    except Exception: log.exception("request failed")
+    try:
+        engine.run(job)
+    except Exception:
+        log.exception("request failed")
 
-def follow(engine:Engine):
+
+def follow(engine: Engine):
     "A rank other than 0: run each job rank 0 hands over, in step with it, until rank 0 says the server stops."
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches every rank of the job: rank 0 stops the server, then tells this one
-    due, idle, batch, jobs = time.monotonic(), 0, None, {}   # batched: the batch, and its jobs by rank 0's ids
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # Ctrl-C reaches every rank of the job: rank 0 stops the server, then tells this one
+    due, idle, batch, jobs = time.monotonic(), 0, None, {}  # batched: the batch, and its jobs by rank 0's ids
     while True:
-        time.sleep(max(due - time.monotonic(), 0))   # rank 0 speaks at `due`
-        busy = batch is not None and bool(len(batch) or batch.early)   # mid-batch, rank 0 must speak again soon: a silence is a fault
-        with engine.coordinator.watch if busy else nullcontext(): msg = share(None, engine.coordinator.group)
-        if msg is None: return
-        if "turn" in msg: batch = follow_turn(engine, batch or Batch(engine.model, interleave_prefill=True), msg["turn"], jobs)
-        elif msg: follow_one(engine, msg)
+        time.sleep(max(due - time.monotonic(), 0))  # rank 0 speaks at `due`
+        busy = batch is not None and bool(
+            len(batch) or batch.early
+        )  # mid-batch, rank 0 must speak again soon: a silence is a fault
+        with engine.coordinator.watch if busy else nullcontext():
+            msg = share(None, engine.coordinator.group)
+        if msg is None:
+            return
+        if "turn" in msg:
+            batch = follow_turn(engine, batch or Batch(engine.model, interleave_prefill=True), msg["turn"], jobs)
+        elif msg:
+            follow_one(engine, msg)
         idle = 0 if msg else idle + 1
         due = time.monotonic() + idle_tick(idle)
 
 # %% ../../nbs/08b_serve_distributed.ipynb #8b000010
 def cmd_serve_ranks(args, ranks):
-    "`specnb serve --distributed`: rank 0 serves HTTP with a rank's `Engine`; every other rank loads the same and follows it."
+    """`specnb serve --distributed`: rank 0 serves HTTP with a rank's `Engine`; every other rank loads the same and
+    follows it."""
     make = lambda *a, **kw: rank_engine(*a, ranks=ranks, **kw)
-    if ranks.lead: return cmd_serve(args, loader=ranks.load, make_engine=make)
-    limits, _ = server_limits(args), parse_bytes(args.max_request_bytes, "--max-request-bytes")   # the checks rank 0 makes, so a bad value ends every rank
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(levelname)s:     rank {ranks.rank}: %(name)s: %(message)s")
+    if ranks.lead:
+        return cmd_serve(args, loader=ranks.load, make_engine=make)
+    limits, _ = (
+        server_limits(args),
+        parse_bytes(args.max_request_bytes, "--max-request-bytes"),
+    )  # the checks rank 0 makes, so a bad value ends every rank
+    logging.basicConfig(
+        level=args.log_level.upper(), format=f"%(levelname)s:     rank {ranks.rank}: %(name)s: %(message)s"
+    )
     pair, provider, kind = load_drafting(args, loader=ranks.load)
     engine = make(pair, provider, **engine_options(args, kind), **limits)
     json_object(pair.tokenizer)

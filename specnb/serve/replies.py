@@ -20,92 +20,129 @@ from .engine import Engine
 # %% ../../nbs/08fa_replies.ipynb #e133af3b
 class _SSE(StreamingResponse):
     "A stream that flags its jobs cancelled however it ends — finished, client gone, or server stopping."
-    def __init__(self, body, jobs:list):
+
+    def __init__(self, body, jobs: list):
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.jobs = jobs
-    async def __call__(self, scope, receive, send):
-        try: await super().__call__(scope, receive, send)
-        finally:
-            for job in self.jobs: job.cancelled.set()
 
-def _sse(obj)->str: return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for job in self.jobs:
+                job.cancelled.set()
+
+
+def _sse(obj) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 # %% ../../nbs/08fa_replies.ipynb #91726317
-async def _events(job:Job):
-    "The job's events; text and logprobs that arrived together (a round's accepted tokens) come as one `('text', text, entries)`."
+async def _events(job: Job):
+    """The job's events; text and logprobs that arrived together (a round's accepted tokens) come as one `('text', text,
+    entries)`."""
     while True:
         evs = await job.next_events()
         text = "".join(e[1] for e in evs if e[0] == "text")
         entries = [x for e in evs if e[0] == "logprobs" for x in e[1]]
-        if text or entries: yield ("text", text, entries)
+        if text or entries:
+            yield ("text", text, entries)
         for e in evs:
-            if e[0] not in ("text", "logprobs"): yield e; return
+            if e[0] not in ("text", "logprobs"):
+                yield e
+                return
 
-async def _merged(jobs:list):
+
+async def _merged(jobs: list):
     "`(index, event)` of every job's events, as they arrive."
     arrived = asyncio.Queue()
+
     async def pump(i, job):
-        async for ev in _events(job): await arrived.put((i, ev))
+        async for ev in _events(job):
+            await arrived.put((i, ev))
         await arrived.put((i, None))
+
     pumps, left = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)], len(jobs)
     try:
         while left:
             i, ev = await arrived.get()
-            if ev is None: left -= 1
-            else: yield i, ev
+            if ev is None:
+                left -= 1
+            else:
+                yield i, ev
     finally:
-        for t in pumps: t.cancel()
+        for t in pumps:
+            t.cancel()
 
 # %% ../../nbs/08fa_replies.ipynb #d4609fa7
 class _Choice:
-    "One choice's answer as it arrives: its text as a turn's fields (chat) or plain text, its logprobs in the endpoint's shape."
-    def __init__(self, tokenizer, turn:Turn|None):
-        self.tokenizer, self.turn, self.offset = tokenizer, turn, 0   # offset: where a completion's next token starts in its text
+    """One choice's answer as it arrives: its text as a turn's fields (chat) or plain text, its logprobs in the
+    endpoint's shape."""
 
-    def piece(self, text:str, entries:list)->tuple:
+    def __init__(self, tokenizer, turn: Turn | None):
+        self.tokenizer, self.turn, self.offset = (
+            tokenizer,
+            turn,
+            0,
+        )  # offset: where a completion's next token starts in its text
+
+    def piece(self, text: str, entries: list) -> tuple:
         "`(delta, logprobs)` of a burst of text and its tokens' logprob entries."
         delta = self.turn.push(text) if self.turn is not None else {"content": text} if text else {}
         return delta, self.logprobs(entries) if entries else None
 
-    def logprobs(self, entries:list)->dict:
-        if self.turn is not None: return chat_logprobs(self.tokenizer, entries)
+    def logprobs(self, entries: list) -> dict:
+        if self.turn is not None:
+            return chat_logprobs(self.tokenizer, entries)
         lp = completion_logprobs(self.tokenizer, entries, self.offset)
-        if lp["tokens"]: self.offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        if lp["tokens"]:
+            self.offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
         return lp
 
-    def last(self, finish:str)->tuple:
+    def last(self, finish: str) -> tuple:
         "`(delta, finish reason)` at the end: what the turn held back, and 'tool_calls' when it called."
-        if self.turn is None: return {}, finish
+        if self.turn is None:
+            return {}, finish
         delta = self.turn.close()
         return delta, "tool_calls" if finish == "stop" and self.turn.n_calls else finish
 
 # %% ../../nbs/08fa_replies.ipynb #8f0375a9
-async def _streamed(reply:Reply, jobs:list, choices:list, echo:str=""):
-    "The answer as server-sent events, ending `data: [DONE]`; with `include_usage`, a last chunk carries the usage; an error ends it as an event."
+async def _streamed(reply: Reply, jobs: list, choices: list, echo: str = ""):
+    """The answer as server-sent events, ending `data: [DONE]`; with `include_usage`, a last chunk carries the usage; an
+    error ends it as an event."""
     for i in range(len(jobs)):
-        if reply.chat: yield _sse(reply.chunk(role=True, index=i))
-        if echo: yield _sse(reply.chunk(echo, index=i))
+        if reply.chat:
+            yield _sse(reply.chunk(role=True, index=i))
+        if echo:
+            yield _sse(reply.chunk(echo, index=i))
     usages = []
     async for i, ev in _merged(jobs):
         if ev[0] == "text":
             delta, lp = choices[i].piece(ev[1], ev[2])
-            if delta or lp: yield _sse(reply.chunk(delta, logprobs=lp, index=i))
+            if delta or lp:
+                yield _sse(reply.chunk(delta, logprobs=lp, index=i))
         elif ev[0] == "error":
-            for job in jobs: job.cancel()
-            yield _sse(ev[1].body()); break
+            for job in jobs:
+                job.cancel()
+            yield _sse(ev[1].body())
+            break
         else:
             delta, finish = choices[i].last(ev[1])
             yield _sse(reply.chunk(delta, finish=finish, index=i))
             usages.append(ev[2])
-    if reply.usage_wanted and len(usages) == len(jobs): yield _sse({**reply.chunk(), "choices": [], "usage": merged_usage(usages)})
+    if reply.usage_wanted and len(usages) == len(jobs):
+        yield _sse({**reply.chunk(), "choices": [], "usage": merged_usage(usages)})
     yield _sse("[DONE]")
 
-async def _on_hang_up(request:Request, jobs:list):
-    "Cancel the jobs when their client goes away: an answer sent as one body at the end has no other way to notice."
-    while (await request.receive())["type"] != "http.disconnect": pass
-    for job in jobs: job.cancel()
 
-async def _whole(reply:Reply, jobs:list, choices:list, request:Request, echo:str="")->dict:
+async def _on_hang_up(request: Request, jobs: list):
+    "Cancel the jobs when their client goes away: an answer sent as one body at the end has no other way to notice."
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for job in jobs:
+        job.cancel()
+
+
+async def _whole(reply: Reply, jobs: list, choices: list, request: Request, echo: str = "") -> dict:
     "The answer as one body once every job is done; a client that goes away first cancels them."
     deltas, entries, ends = [{"content": echo} for _ in jobs], [[] for _ in jobs], [None] * len(jobs)
     watch = asyncio.create_task(_on_hang_up(request, jobs))
@@ -114,40 +151,63 @@ async def _whole(reply:Reply, jobs:list, choices:list, request:Request, echo:str
             if ev[0] == "text":
                 merge_delta(deltas[i], choices[i].piece(ev[1], [])[0])
                 entries[i] += ev[2]
-            elif ev[0] == "error": raise ev[1]
+            elif ev[0] == "error":
+                raise ev[1]
             else:
                 delta, finish = choices[i].last(ev[1])
                 ends[i] = (finish, ev[2])
                 merge_delta(deltas[i], delta)
     except BaseException:
-        for job in jobs: job.cancel()
+        for job in jobs:
+            job.cancel()
         raise
-    finally: watch.cancel()
-    body = [reply.choice(i, deltas[i], ends[i][0], choices[i].logprobs(entries[i]) if jobs[i].logprobs is not None else None) for i in range(len(jobs))]
+    finally:
+        watch.cancel()
+    body = [
+        reply.choice(
+            i, deltas[i], ends[i][0], choices[i].logprobs(entries[i]) if jobs[i].logprobs is not None else None
+        )
+        for i in range(len(jobs))
+    ]
     return reply.body(body, merged_usage([u for _, u in ends]))
 
-def echo_text(tokenizer, prompt)->str:
+
+def echo_text(tokenizer, prompt) -> str:
     "A completion's prompt as `echo` returns it: the text as sent, or token ids decoded."
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str): prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
 # %% ../../nbs/08fa_replies.ipynb #0d5f1bc9
-async def respond(engine:Engine, req:BaseRequest, endpoint:str, prompt:list, request:Request,
-                  echo:str="",          # text the answer starts with, before what is generated (a completion's `echo`: its prompt)
-                  tools:list|None=None, # a chat request's tools, as `tool_dicts` read them
-                 ):
+async def respond(
+    engine: Engine,
+    req: BaseRequest,
+    endpoint: str,
+    prompt: list,
+    request: Request,
+    echo: str = "",  # text the answer starts with, before what is generated (a completion's `echo`: its prompt)
+    tools: list | None = None,  # a chat request's tools, as `tool_dicts` read them
+):
     "Queue the request's jobs (its `n` choices) and answer them: streamed, or as one body."
     jobs, group, loop = [], Choices() if req.n > 1 else None, asyncio.get_running_loop()
-    grammar = await run_in_threadpool(turn_grammar, engine.tokenizer, req, tools, prompt)   # compiling can take a while: once, off the loop
+    grammar = await run_in_threadpool(
+        turn_grammar, engine.tokenizer, req, tools, prompt
+    )  # compiling can take a while: once, off the loop
     for i in range(req.n):
         job = make_job(engine.limits, req, endpoint, prompt, None, choice=i)
         job.request, job.group, job.loop = req, group, loop
-        job.grammar = grammar if i == 0 or grammar is None else grammar.fork()   # each choice walks its own matcher from the start
+        job.grammar = (
+            grammar if i == 0 or grammar is None else grammar.fork()
+        )  # each choice walks its own matcher from the start
         jobs.append(job)
     engine.submit(*jobs)
     reply = Reply(endpoint, engine.limits.model_id, req.stream_options is not None and req.stream_options.include_usage)
     start = initial_state(engine.tokenizer, prompt) if endpoint == "chat" else None
     parse = bool(tools) and req.tool_choice != "none"
-    choices = [_Choice(engine.tokenizer, None if start is None else Turn(engine.tokenizer, tools, start, req.stream, parse)) for _ in jobs]
-    if req.stream: return _SSE(_streamed(reply, jobs, choices, echo), jobs)
+    choices = [
+        _Choice(engine.tokenizer, None if start is None else Turn(engine.tokenizer, tools, start, req.stream, parse))
+        for _ in jobs
+    ]
+    if req.stream:
+        return _SSE(_streamed(reply, jobs, choices, echo), jobs)
     return await _whole(reply, jobs, choices, request, echo)

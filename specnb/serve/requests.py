@@ -25,52 +25,62 @@ from .answer import initial_state, reasoning_mode, tool_grammar
 # %% ../../nbs/08d_requests.ipynb #a62159be
 @dataclass(frozen=True)
 class Limits:
-    "What every request is checked against and filled in from: the model's tokenizer, vocabulary and context, and the server's options."
+    """What every request is checked against and filled in from: the model's tokenizer, vocabulary and context, and the
+    server's options."""
+
     tokenizer: object
     model_id: str = "specnb-bundled"
-    vocab_size: int = 0                  # the logits' width (right for quantized embeddings too)
-    max_context: int | None = None       # prompt + max_tokens may not pass it (None: no limit known)
-    max_tokens: int = 512                # a request that names none gets this, or what fits
-    max_tokens_limit: int = 32768        # the most a request may ask for
-    temp: float = 0.0                    # a request that names no temperature gets this
-    acceptance: str = "match"            # … and this acceptance rule
-    num_draft_tokens: int = 3            # … and this γ
-    request_timeout: float | None = None # seconds from queueing
+    vocab_size: int = 0  # the logits' width (right for quantized embeddings too)
+    max_context: int | None = None  # prompt + max_tokens may not pass it (None: no limit known)
+    max_tokens: int = 512  # a request that names none gets this, or what fits
+    max_tokens_limit: int = 32768  # the most a request may ask for
+    temp: float = 0.0  # a request that names no temperature gets this
+    acceptance: str = "match"  # … and this acceptance rule
+    num_draft_tokens: int = 3  # … and this γ
+    request_timeout: float | None = None  # seconds from queueing
 
 # %% ../../nbs/08d_requests.ipynb #5e18f76f
 @dataclass
 class Choices:
     "The `n` jobs of one request: the first to start reads the prompt for all (`Runner.share_prefill`, 08eb)."
+
     prefilled: bool = False
 
-@dataclass(eq=False)   # a job is itself, not its fields: the worker keeps a set of them
+
+@dataclass(eq=False)  # a job is itself, not its fields: the worker keeps a set of them
 class Job:
     "One request on its way through the worker."
-    endpoint: str                 # "chat" or "completions"
-    prompt: list                  # token ids
+
+    endpoint: str  # "chat" or "completions"
+    prompt: list  # token ids
     max_tokens: int
     sampler: object = None
     logits_processors: list | None = None
     grammar: object = None
     stop: list = field(default_factory=list)
-    num_draft_tokens: int = 3     # 0: no speculation
-    acceptance: str = "match"     # or "rejection": speculative sampling
+    num_draft_tokens: int = 3  # 0: no speculation
+    acceptance: str = "match"  # or "rejection": speculative sampling
     seed: int | None = None
-    ignore_eos: bool = False      # stop only at max_tokens (a stop sequence or a grammar's end still stop)
-    predicted: list | None = None # token ids of the request's predicted output: drafted from first
-    logprobs: int | None = None   # each token's logprob and this many alternatives (None: none)
-    prompt_logprobs: int | None = None   # … and the prompt's tokens' too (a completion's echo with logprobs)
+    ignore_eos: bool = False  # stop only at max_tokens (a stop sequence or a grammar's end still stop)
+    predicted: list | None = None  # token ids of the request's predicted output: drafted from first
+    logprobs: int | None = None  # each token's logprob and this many alternatives (None: none)
+    prompt_logprobs: int | None = None  # … and the prompt's tokens' too (a completion's echo with logprobs)
     group: "Choices | None" = None  # the choices of one request (n > 1): they share the prompt's prefill
     timeout: float | None = None  # seconds from queueing after which the worker stops it (--request-timeout)
-    loop: asyncio.AbstractEventLoop | None = None   # the HTTP side's event loop, which waits for the events
+    loop: asyncio.AbstractEventLoop | None = None  # the HTTP side's event loop, which waits for the events
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
-    error: APIError | None = None # why the server stopped it (its time ran out, the server is stopping); None: finished, or the client left
-    reserved: int = 0             # bytes of memory it was admitted with
-    request: object = None        # the parsed body, which a server's other ranks rebuild the job from (--distributed)
-    agree: object = None          # fn(stop: bool) -> bool: this rank's stop decision made every rank's (--distributed); None alone
+    error: APIError | None = (
+        None  # why the server stopped it (its time ran out, the server is stopping); None: finished, or the client left
+    )
+    reserved: int = 0  # bytes of memory it was admitted with
+    request: object = None  # the parsed body, which a server's other ranks rebuild the job from (--distributed)
+    agree: object = (
+        None  # fn(stop: bool) -> bool: this rank's stop decision made every rank's (--distributed); None alone
+    )
 
-    def __post_init__(self): self._events, self._ready, self._wake_pending = deque(), asyncio.Event(), False
+    def __post_init__(self):
+        self._events, self._ready, self._wake_pending = deque(), asyncio.Event(), False
 
     def emit(self, *event):
         "Hand an event to the HTTP side (from the worker thread); a burst of events wakes the event loop once."
@@ -79,173 +89,288 @@ class Job:
             self._wake_pending = True
             self.loop.call_soon_threadsafe(self._wake)
 
-    def _wake(self): self._wake_pending = False; self._ready.set()
+    def _wake(self):
+        self._wake_pending = False
+        self._ready.set()
 
-    async def next_events(self)->list:
+    async def next_events(self) -> list:
         "All events that arrived since the last call, waiting for at least one (on the event loop)."
         while not self._events:
-            self._ready.clear(); await self._ready.wait()
+            self._ready.clear()
+            await self._ready.wait()
         return [self._events.popleft() for _ in range(len(self._events))]
 
-    def cancel(self, error:APIError|None=None):
-        "Stop the job at the worker's next look (between prefill chunks, between tokens); `error` is what its client will be answered."
-        if self.error is None: self.error = error
+    def cancel(self, error: APIError | None = None):
+        """Stop the job at the worker's next look (between prefill chunks, between tokens); `error` is what its client
+        will be answered."""
+        if self.error is None:
+            self.error = error
         self.cancelled.set()
 
-    def stop_here(self)->bool:
+    def stop_here(self) -> bool:
         "This process's look: has the client gone, the server begun to stop, or the request run out of time?"
-        if self.timeout is not None and not self.cancelled.is_set() and time.perf_counter() - self.queued_at > self.timeout:
-            self.cancel(APIError(504, f"the request ran longer than this server allows ({self.timeout:g} s, --request-timeout)",
-                                 type="server_error", code="timeout"))
+        if (
+            self.timeout is not None
+            and not self.cancelled.is_set()
+            and time.perf_counter() - self.queued_at > self.timeout
+        ):
+            self.cancel(
+                APIError(
+                    504,
+                    f"the request ran longer than this server allows ({self.timeout:g} s, --request-timeout)",
+                    type="server_error",
+                    code="timeout",
+                )
+            )
         return self.cancelled.is_set()
 
-    def should_stop(self)->bool:
+    def should_stop(self) -> bool:
         "The worker's look (`stop_here`); with other ranks, `agree` makes it every rank's: did any rank say stop?"
         return self.stop_here() if self.agree is None else self.agree(self.stop_here())
 
 # %% ../../nbs/08d_requests.ipynb #3261ad40
-def least(*limits)->int|None: return min((v for v in limits if v is not None), default=None)
+def least(*limits) -> int | None:
+    return min((v for v in limits if v is not None), default=None)
 
 # %% ../../nbs/08d_requests.ipynb #c7752ef8
-def _text(content)->str:
+def _text(content) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content or [])
 
-def count_past(tokenizer, text:str, bound:int, piece:int=8192)->int|None:
-    "A lower bound on `text`'s tokens as soon as it passes `bound`, tokenizing piece by piece (cut at spaces); None if all of it stays within."
+
+def count_past(tokenizer, text: str, bound: int, piece: int = 8192) -> int | None:
+    """A lower bound on `text`'s tokens as soon as it passes `bound`, tokenizing piece by piece (cut at spaces); None if
+    all of it stays within."""
     n, start = 0, 0
     while start < len(text):
         end = start + piece
-        if end < len(text) and (cut := text.rfind(" ", start + 1, end)) > start: end = cut
-        n += max(len(tokenizer.encode(text[start:end], add_special_tokens=False)) - 1, 0)   # a cut can save at most one token
-        if n > bound: return n
+        if end < len(text) and (cut := text.rfind(" ", start + 1, end)) > start:
+            end = cut
+        n += max(
+            len(tokenizer.encode(text[start:end], add_special_tokens=False)) - 1, 0
+        )  # a cut can save at most one token
+        if n > bound:
+            return n
         start = end
     return None
 
-def check_context(limits, n_prompt:int, max_tokens:int, param:str, at_least:bool=False):
+
+def check_context(limits, n_prompt: int, max_tokens: int, param: str, at_least: bool = False):
     "400 `context_length_exceeded`, naming both numbers, when the prompt and `max_tokens` cannot fit in the context."
     limit = limits.max_context
-    if limit is None or n_prompt + max_tokens <= limit: return
+    if limit is None or n_prompt + max_tokens <= limit:
+        return
     some = "at least " if at_least else ""
-    raise APIError(400, f"This model's maximum context length is {limit} tokens, but this request needs {some}{n_prompt + max_tokens} tokens "
-                   f"({some}{n_prompt} in the prompt, {max_tokens} to generate); shorten the prompt or lower max_tokens", param, "context_length_exceeded")
+    raise APIError(
+        400,
+        f"This model's maximum context length is {limit} tokens, but this request needs {some}{n_prompt + max_tokens} "
+        "tokens "
+        f"({some}{n_prompt} in the prompt, {max_tokens} to generate); shorten the prompt or lower max_tokens",
+        param,
+        "context_length_exceeded",
+    )
 
-def _unicode(text:str, param:str):
-    "400 for text that is not valid Unicode — a lone surrogate (`\\ud800`), which JSON can carry and no tokenizer can read."
-    try: text.encode("utf-8")
+
+def _unicode(text: str, param: str):
+    """400 for text that is not valid Unicode — a lone surrogate (`\\ud800`), which JSON can carry and no tokenizer can
+    read."""
+    try:
+        text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise APIError(400, f"{param} is not valid Unicode text: a lone surrogate {text[e.start:e.end]!r} at character {e.start}", param) from None
+        raise APIError(
+            400,
+            f"{param} is not valid Unicode text: a lone surrogate {text[e.start : e.end]!r} at character {e.start}",
+            param,
+        ) from None
 
-def encode_within(limits, text:str, max_tokens:int, param:str, add_special_tokens:bool=True)->list:
-    "`text`'s token ids; a text too long for the context with `max_tokens` is refused as soon as counting shows it, not after tokenizing all of it."
+
+def encode_within(limits, text: str, max_tokens: int, param: str, add_special_tokens: bool = True) -> list:
+    """`text`'s token ids; a text too long for the context with `max_tokens` is refused as soon as counting shows it,
+    not after tokenizing all of it."""
     _unicode(text, param)
-    if limits.max_context is not None and (n := count_past(limits.tokenizer, text, limits.max_context - max_tokens)) is not None:
+    if (
+        limits.max_context is not None
+        and (n := count_past(limits.tokenizer, text, limits.max_context - max_tokens)) is not None
+    ):
         check_context(limits, n, max_tokens, param, at_least=True)
     return limits.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-_OWN_TEMPLATE_ARGS = {"conversation", "add_generation_prompt", "tokenize", "return_dict", "chat_template", "continue_final_message"}
 
-def _arguments(call:dict)->dict:
-    "An earlier tool call with its arguments as an object, as chat templates read them (OpenAI sends them as JSON text; mlx_lm.server parses them too)."
+_OWN_TEMPLATE_ARGS = {
+    "conversation",
+    "add_generation_prompt",
+    "tokenize",
+    "return_dict",
+    "chat_template",
+    "continue_final_message",
+}
+
+
+def _arguments(call: dict) -> dict:
+    """An earlier tool call with its arguments as an object, as chat templates read them (OpenAI sends them as JSON
+    text; mlx_lm.server parses them too)."""
     f = call.get("function")
-    if not isinstance(f, dict) or not isinstance(f.get("arguments"), str): return call
-    try: return {**call, "function": {**f, "arguments": json.loads(f["arguments"])}}
-    except json.JSONDecodeError: return call
+    if not isinstance(f, dict) or not isinstance(f.get("arguments"), str):
+        return call
+    try:
+        return {**call, "function": {**f, "arguments": json.loads(f["arguments"])}}
+    except json.JSONDecodeError:
+        return call
 
-def _message(m)->dict:
-    "A message as the chat template reads it: its role and text, and its name, tool calls and tool call id where it has them."
-    out = {"role": m.role, "content": _text(m.content), **{k: getattr(m, k) for k in ("name", "tool_call_id") if getattr(m, k) is not None}}
-    if m.tool_calls is not None: out["tool_calls"] = [_arguments(c) for c in m.tool_calls]
+
+def _message(m) -> dict:
+    """A message as the chat template reads it: its role and text, and its name, tool calls and tool call id where it
+    has them."""
+    out = {
+        "role": m.role,
+        "content": _text(m.content),
+        **{k: getattr(m, k) for k in ("name", "tool_call_id") if getattr(m, k) is not None},
+    }
+    if m.tool_calls is not None:
+        out["tool_calls"] = [_arguments(c) for c in m.tool_calls]
     return out
 
-def chat_prompt(limits, messages:list, max_tokens:int=1, template_kwargs:dict|None=None,
-                reasoning_effort:str|None=None, # handed to a chat template that reads it (gpt-oss's), refused by one that does not
-                tools:list|None=None)->list:    # the functions the model may call (OpenAI's `tools`, as dicts), handed to the template
-    "Token ids of a conversation through the tokenizer's chat template (with the request's `chat_template_kwargs`), ready for the assistant's turn."
+
+def chat_prompt(
+    limits,
+    messages: list,
+    max_tokens: int = 1,
+    template_kwargs: dict | None = None,
+    reasoning_effort: str
+    | None = None,  # handed to a chat template that reads it (gpt-oss's), refused by one that does not
+    tools: list | None = None,
+) -> list:  # the functions the model may call (OpenAI's `tools`, as dicts), handed to the template
+    """Token ids of a conversation through the tokenizer's chat template (with the request's `chat_template_kwargs`),
+    ready for the assistant's turn."""
     tokenizer = limits.tokenizer
-    if getattr(tokenizer, "chat_template", None) is None: raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
     if reasoning_effort is not None:
         if "reasoning_effort" not in tokenizer.chat_template:
             raise APIError(400, "reasoning_effort: this model's chat template does not read it", "reasoning_effort")
         template_kwargs = {"reasoning_effort": reasoning_effort, **(template_kwargs or {})}
-    for i, m in enumerate(messages): _unicode(_text(m.content), f"messages[{i}].content")
-    if (own := sorted(_OWN_TEMPLATE_ARGS & set(template_kwargs or {}))):
-        raise APIError(400, f"chat_template_kwargs may not set {', '.join(own)}: the server sets it", "chat_template_kwargs")
-    if tools: template_kwargs = {"tools": tools, **(template_kwargs or {})}
-    try: text = tokenizer.apply_chat_template([_message(m) for m in messages],
-                                              add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
-    except TemplateError as e: raise APIError(400, f"the chat template refused this conversation: {e}", "messages") from None
+    for i, m in enumerate(messages):
+        _unicode(_text(m.content), f"messages[{i}].content")
+    if own := sorted(_OWN_TEMPLATE_ARGS & set(template_kwargs or {})):
+        raise APIError(
+            400, f"chat_template_kwargs may not set {', '.join(own)}: the server sets it", "chat_template_kwargs"
+        )
+    if tools:
+        template_kwargs = {"tools": tools, **(template_kwargs or {})}
+    try:
+        text = tokenizer.apply_chat_template(
+            [_message(m) for m in messages], add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+        )
+    except TemplateError as e:
+        raise APIError(400, f"the chat template refused this conversation: {e}", "messages") from None
     return encode_within(limits, text, max_tokens, "messages", add_special_tokens=False)
 
-def completion_prompt(limits, prompt, max_tokens:int=1)->list:
+
+def completion_prompt(limits, prompt, max_tokens: int = 1) -> list:
     "Token ids of a completions `prompt`: one string, or a list of token ids."
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1: raise APIError(400, f"one prompt per request, got {len(prompt)}", "prompt")
+        if len(prompt) != 1:
+            raise APIError(400, f"one prompt per request, got {len(prompt)}", "prompt")
         prompt = prompt[0]
-    if isinstance(prompt, str): return encode_within(limits, prompt, max_tokens, "prompt") if prompt else []
+    if isinstance(prompt, str):
+        return encode_within(limits, prompt, max_tokens, "prompt") if prompt else []
     bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
-    if bad: raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})", "prompt")
+    if bad:
+        raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})", "prompt")
     return list(prompt)
 
-def asked_tokens(req)->int|None:
+
+def asked_tokens(req) -> int | None:
     "The `max_tokens` (or `max_completion_tokens`) a request names; None when it names none."
     return getattr(req, "max_completion_tokens", None) or req.max_tokens
 
-_UNHONOURED = {   # fields OpenAI or mlx_lm.server accept whose meaning this server cannot give, at the values that ask for it
+
+# fields OpenAI or mlx_lm.server accept whose meaning this server cannot give, at the values that ask for it
+_UNHONOURED = {
     "store": (lambda v: v, "this server does not store completions"),
-    "draft_model": (lambda v: v, "this server drafts with what it was started with (--draft-model, --draft-kind); it loads no draft per request"),
-    "best_of": (lambda v: v is not None and v > 1, "best_of > 1 (ranking completions made server-side) is not supported: ask for n choices"),
+    "draft_model": (
+        lambda v: v,
+        "this server drafts with what it was started with (--draft-model, --draft-kind); it loads no draft per request",
+    ),
+    "best_of": (
+        lambda v: v is not None and v > 1,
+        "best_of > 1 (ranking completions made server-side) is not supported: ask for n choices",
+    ),
     "suffix": (lambda v: v, "suffix (text after the insertion point) is not supported by this server"),
 }
+
 
 def refuse_unhonoured(req):
     "400 naming the first field whose value asks for what this server cannot do (see `_UNHONOURED`)."
     for name, (asks, why) in _UNHONOURED.items():
-        if asks(getattr(req, name, None)): raise APIError(400, f"{name}: {why}", name)
+        if asks(getattr(req, name, None)):
+            raise APIError(400, f"{name}: {why}", name)
 
-def min_tokens_processor(eos_ids, n_prompt:int, min_tokens:int):
-    "A logits processor that forbids every end-of-sequence token until `min_tokens` tokens follow the `n_prompt`-token prompt."
+
+def min_tokens_processor(eos_ids, n_prompt: int, min_tokens: int):
+    """A logits processor that forbids every end-of-sequence token until `min_tokens` tokens follow the `n_prompt`-token
+    prompt."""
     eos, ban = mx.array(sorted(eos_ids), mx.int32), {}
+
     def forbid(tokens, logits):
-        if tokens.size - n_prompt >= min_tokens: return logits
+        if tokens.size - n_prompt >= min_tokens:
+            return logits
         width = logits.shape[-1]
-        if width not in ban: ban[width] = mx.zeros((width,)).at[eos].add(-mx.inf)   # built once, not at every position
+        if width not in ban:
+            ban[width] = mx.zeros((width,)).at[eos].add(-mx.inf)  # built once, not at every position
         return logits + ban[width]
+
     return forbid
 
-def predicted_tokens(limits, prediction)->list|None:
+
+def predicted_tokens(limits, prediction) -> list | None:
     "The token ids of a request's `prediction` (OpenAI's predicted output); None without one."
-    if prediction is None: return None
+    if prediction is None:
+        return None
     text = _text(prediction.content)
     _unicode(text, "prediction.content")
     if limits.max_context is not None and (n := count_past(limits.tokenizer, text, limits.max_context)) is not None:
-        raise APIError(400, f"prediction.content has at least {n} tokens, more than this model's context ({limits.max_context})", "prediction")
+        raise APIError(
+            400,
+            f"prediction.content has at least {n} tokens, more than this model's context ({limits.max_context})",
+            "prediction",
+        )
     return limits.tokenizer.encode(text, add_special_tokens=False)
 
-def choice_seed(seed:int|None, choice:int)->int|None:
-    "The seed of choice `choice` of a request seeded `seed`: the seed itself for the first, a 64-bit mix of both for the others."
-    if seed is None or choice == 0: return seed
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice `choice` of a request seeded `seed`: the seed itself for the first, a 64-bit mix of both for
+    the others."""
+    if seed is None or choice == 0:
+        return seed
     return (seed * 0x9E3779B97F4A7C15 + choice * 0xBF58476D1CE4E5B9) % 2**64
 
-def xtc_spared(tokenizer)->tuple:
+
+def xtc_spared(tokenizer) -> tuple:
     "The tokens XTC never drops, as mlx_lm.server picks them: the newline's ids and the end-of-sequence ids."
     return tuple(tokenizer.encode("\n") + list(tokenizer.eos_token_ids))
 
-def asked_logprobs(req)->int|None:
-    "How many alternatives per token the request wants with its logprobs (0: the token's own only); None: no logprobs."
-    if isinstance(req.logprobs, bool) or req.logprobs is None:   # chat: logprobs true, and top_logprobs
-        return (req.top_logprobs or 0) if req.logprobs else None
-    return req.logprobs                                           # completions: logprobs is the number
 
-def make_job(limits, req:BaseRequest, endpoint:str, prompt:list, grammar,
-             choice:int=0)->Job: # which of the request's `n` choices
+def asked_logprobs(req) -> int | None:
+    "How many alternatives per token the request wants with its logprobs (0: the token's own only); None: no logprobs."
+    if isinstance(req.logprobs, bool) or req.logprobs is None:  # chat: logprobs true, and top_logprobs
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs  # completions: logprobs is the number
+
+
+def make_job(
+    limits, req: BaseRequest, endpoint: str, prompt: list, grammar, choice: int = 0
+) -> Job:  # which of the request's `n` choices
     "Check the request's limits and build its sampler, processors and stop list into a `Job`."
     param = "prompt" if endpoint == "completions" else "messages"
-    if not prompt: raise APIError(400, "the prompt is empty: send at least one token of text", param)
+    if not prompt:
+        raise APIError(400, "the prompt is empty: send at least one token of text", param)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     refuse_unhonoured(req)
     room = None if limits.max_context is None else limits.max_context - len(prompt)
-    max_tokens = asked_tokens(req) or least(limits.max_tokens, max(room, 1) if room is not None else None)   # unasked: what fits
+    max_tokens = asked_tokens(req) or least(
+        limits.max_tokens, max(room, 1) if room is not None else None
+    )  # unasked: what fits
     if max_tokens > limits.max_tokens_limit:
         name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         raise APIError(400, f"{name} {max_tokens} is more than this server allows ({limits.max_tokens_limit})", name)
@@ -254,62 +379,133 @@ def make_job(limits, req:BaseRequest, endpoint:str, prompt:list, grammar,
     if req.logit_bias:
         bias = {}
         for k, v in req.logit_bias.items():
-            if not re.fullmatch(r"-?[0-9]+", k) or not 0 <= int(k) < limits.vocab_size:   # str.isdigit takes "²", int() does not
-                raise APIError(400, f"logit_bias key {k!r} is not a token id of this model (0..{limits.vocab_size - 1})", "logit_bias")
-            if not -100 <= v <= 100: raise APIError(400, f"logit_bias value {v} for token {k} is outside [-100, 100]", "logit_bias")
+            if (
+                not re.fullmatch(r"-?[0-9]+", k) or not 0 <= int(k) < limits.vocab_size
+            ):  # str.isdigit takes "²", int() does not
+                raise APIError(
+                    400,
+                    f"logit_bias key {k!r} is not a token id of this model (0..{limits.vocab_size - 1})",
+                    "logit_bias",
+                )
+            if not -100 <= v <= 100:
+                raise APIError(400, f"logit_bias value {v} for token {k} is outside [-100, 100]", "logit_bias")
             bias[int(k)] = v
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > 16: raise APIError(400, f"at most 16 stop sequences, got {len(stop)}", "stop")
+    if len(stop) > 16:
+        raise APIError(400, f"at most 16 stop sequences, got {len(stop)}", "stop")
     temp = limits.temp if req.temperature is None else req.temperature
-    size = req.repetition_context_size   # mlx_lm.server's one window, for the three penalties
-    procs = make_logits_processors(bias, req.repetition_penalty, size, req.presence_penalty, size, req.frequency_penalty, size)
-    if req.min_tokens and not req.ignore_eos: procs.append(min_tokens_processor(limits.tokenizer.eos_token_ids, len(prompt), req.min_tokens))
-    sampler = Sampling(temp=temp, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k, xtc_probability=req.xtc_probability,
-                       xtc_threshold=req.xtc_threshold, xtc_special_tokens=xtc_spared(limits.tokenizer) if req.xtc_probability else ())
-    if sampler.greedy: sampler = None   # greedy's fast path (also a temperature too small for float32)
-    return Job(endpoint, prompt, max_tokens, sampler=sampler, acceptance=req.acceptance or limits.acceptance,
-               logits_processors=procs or None, grammar=grammar, stop=stop, timeout=limits.request_timeout,
-               num_draft_tokens=limits.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens,
-               seed=choice_seed(req.seed, choice), ignore_eos=req.ignore_eos, predicted=predicted_tokens(limits, req.prediction),
-               logprobs=asked_logprobs(req), prompt_logprobs=asked_logprobs(req) if getattr(req, "echo", False) else None)
+    size = req.repetition_context_size  # mlx_lm.server's one window, for the three penalties
+    procs = make_logits_processors(
+        bias, req.repetition_penalty, size, req.presence_penalty, size, req.frequency_penalty, size
+    )
+    if req.min_tokens and not req.ignore_eos:
+        procs.append(min_tokens_processor(limits.tokenizer.eos_token_ids, len(prompt), req.min_tokens))
+    sampler = Sampling(
+        temp=temp,
+        top_p=req.top_p,
+        min_p=req.min_p,
+        top_k=req.top_k,
+        xtc_probability=req.xtc_probability,
+        xtc_threshold=req.xtc_threshold,
+        xtc_special_tokens=xtc_spared(limits.tokenizer) if req.xtc_probability else (),
+    )
+    if sampler.greedy:
+        sampler = None  # greedy's fast path (also a temperature too small for float32)
+    return Job(
+        endpoint,
+        prompt,
+        max_tokens,
+        sampler=sampler,
+        acceptance=req.acceptance or limits.acceptance,
+        logits_processors=procs or None,
+        grammar=grammar,
+        stop=stop,
+        timeout=limits.request_timeout,
+        num_draft_tokens=limits.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens,
+        seed=choice_seed(req.seed, choice),
+        ignore_eos=req.ignore_eos,
+        predicted=predicted_tokens(limits, req.prediction),
+        logprobs=asked_logprobs(req),
+        prompt_logprobs=asked_logprobs(req) if getattr(req, "echo", False) else None,
+    )
 
-def _plain(message:str)->str:
-    "A compiler's message without the `[hh:mm:ss] /path/file.cc:123:` prefix xgrammar puts before the sentence that names the problem."
+
+def _plain(message: str) -> str:
+    """A compiler's message without the `[hh:mm:ss] /path/file.cc:123:` prefix xgrammar puts before the sentence that
+    names the problem."""
     return re.sub(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ", "", message).strip()
 
-def make_grammar(tokenizer, fmt:ResponseFormat|None):
-    "The grammar for a `response_format` (None for text); an invalid schema is a 400."
-    if fmt is None or fmt.type == "text": return None
-    if fmt.type == "json_object": return json_object(tokenizer)
-    if fmt.json_schema is None: raise APIError(400, "response_format of type json_schema needs a json_schema object with a schema", "response_format")
-    try: return from_json_schema(tokenizer, fmt.json_schema.schema_)
-    except ValueError as e: raise APIError(400, _plain(str(e)), "response_format.json_schema.schema") from None
 
-def tool_dicts(req)->list|None:
-    "The request's `tools` as the chat template and xgrammar read them; a request whose tools this model cannot call, or whose `tool_choice` names none of them, is a 400."
+def make_grammar(tokenizer, fmt: ResponseFormat | None):
+    "The grammar for a `response_format` (None for text); an invalid schema is a 400."
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return json_object(tokenizer)
+    if fmt.json_schema is None:
+        raise APIError(
+            400, "response_format of type json_schema needs a json_schema object with a schema", "response_format"
+        )
+    try:
+        return from_json_schema(tokenizer, fmt.json_schema.schema_)
+    except ValueError as e:
+        raise APIError(400, _plain(str(e)), "response_format.json_schema.schema") from None
+
+
+def tool_dicts(req) -> list | None:
+    """The request's `tools` as the chat template and xgrammar read them; a request whose tools this model cannot call,
+    or whose `tool_choice` names none of them, is a 400."""
     choice = getattr(req, "tool_choice", None)
     if not getattr(req, "tools", None):
-        if choice not in (None, "none", "auto"): raise APIError(400, f"tool_choice {choice.model_dump() if hasattr(choice, 'model_dump') else choice!r} needs tools", "tool_choice")
+        if choice not in (None, "none", "auto"):
+            raise APIError(
+                400,
+                f"tool_choice {choice.model_dump() if hasattr(choice, 'model_dump') else choice!r} needs tools",
+                "tool_choice",
+            )
         return None
     if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, "tools and a response_format cannot be combined: each is a grammar over the whole answer", "response_format")
+        raise APIError(
+            400,
+            "tools and a response_format cannot be combined: each is a grammar over the whole answer",
+            "response_format",
+        )
     names = [t.function.name for t in req.tools]
     if hasattr(choice, "function") and choice.function.name not in names:
-        raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not among the tools ({', '.join(names)})", "tool_choice")
+        raise APIError(
+            400,
+            f"tool_choice names the function {choice.function.name!r}, which is not among the tools "
+            f"({', '.join(names)})",
+            "tool_choice",
+        )
     return [t.model_dump(exclude_none=True) for t in req.tools]
 
-def turn_grammar(tokenizer, req, tools:list|None, prompt:list):
-    "The grammar of the answer: the response format's, or the tool calls' when they must parse (`answer.tool_grammar`); None when free."
-    if not tools or req.tool_choice == "none": return make_grammar(tokenizer, req.response_format)
+
+def turn_grammar(tokenizer, req, tools: list | None, prompt: list):
+    """The grammar of the answer: the response format's, or the tool calls' when they must parse
+    (`answer.tool_grammar`); None when free."""
+    if not tools or req.tool_choice == "none":
+        return make_grammar(tokenizer, req.response_format)
     if not getattr(tokenizer, "has_tool_calling", False):
-        raise APIError(400, "tools: this model's tokenizer has no tool-call format mlx-lm knows (no tool parser for its chat template)", "tools")
+        raise APIError(
+            400,
+            "tools: this model's tokenizer has no tool-call format mlx-lm knows (no tool parser for its chat template)",
+            "tools",
+        )
     choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
     mode = reasoning_mode(tokenizer, initial_state(tokenizer, prompt), getattr(req, "chat_template_kwargs", None))
-    try: return tool_grammar(tokenizer, tools, choice, req.parallel_tool_calls, mode)
-    except ValueError as e: raise APIError(400, _plain(str(e)), "tools") from None
+    try:
+        return tool_grammar(tokenizer, tools, choice, req.parallel_tool_calls, mode)
+    except ValueError as e:
+        raise APIError(400, _plain(str(e)), "tools") from None
 
 # %% ../../nbs/08d_requests.ipynb #7c33abc2
-def check_model(limits, name:str|None):
+def check_model(limits, name: str | None):
     "Refuse a model this server does not serve: 404 `model_not_found`, as OpenAI answers."
     if name not in (None, "", limits.model_id, "default_model"):
-        raise APIError(404, f"model {name!r} is not served here; this server serves {limits.model_id!r}", "model", "model_not_found")
+        raise APIError(
+            404,
+            f"model {name!r} is not served here; this server serves {limits.model_id!r}",
+            "model",
+            "model_not_found",
+        )

@@ -29,104 +29,141 @@ log = logging.getLogger("specnb.serve")
 @dataclass(eq=False)
 class _Run:
     "A job as a runner runs it: its drafting, the caches it starts from (a hit holds `n_cached` tokens), its text sink."
+
     job: Job
-    provider: object               # what it drafts with (`Runner.provider_for`); None: plain decoding
+    provider: object  # what it drafts with (`Runner.provider_for`); None: plain decoding
     target_cache: list
     draft_cache: list | None
     n_cached: int
     sink: TextSink
+
     @property
-    def speculate(self)->bool: return self.provider is not None
+    def speculate(self) -> bool:
+        return self.provider is not None
+
     @property
-    def space(self)->str: return "spec" if self.speculate else "plain"   # the prompt cache keeps them apart
+    def space(self) -> str:
+        return "spec" if self.speculate else "plain"  # the prompt cache keeps them apart
+
 
 class Runner:
     "The worker's loop (`work`), and what every runner does with one job: open it, give it to the executor, answer it."
-    def __init__(self, engine):
-        self.engine = engine   # its model, provider, prompt cache, metrics, admission and `fail`
-    def work(self): raise NotImplementedError
 
-    def provider_for(self, job:Job):
+    def __init__(self, engine):
+        self.engine = engine  # its model, provider, prompt cache, metrics, admission and `fail`
+
+    def work(self):
+        raise NotImplementedError
+
+    def provider_for(self, job: Job):
         "The job's drafting: the server's provider, looked up first in the request's predicted output when it has one."
         provider = self.engine.provider
         return provider if job.predicted is None else PredictedProvider(provider, job.predicted)
 
 # %% ../../nbs/08eb_runners.ipynb #346e1b99
 @patch
-def open_run(self:Runner, job:Job)->_Run:
+def open_run(self: Runner, job: Job) -> _Run:
     "Count the job's wait and find its caches: the prompt cache's longest hit, or new ones."
     e = self.engine
     e.metrics.queue_wait.observe(time.perf_counter() - job.queued_at)
     provider = self.provider_for(job) if job.num_draft_tokens > 0 else None
     space = "plain" if provider is None else "spec"
-    if job.group is not None and not job.group.prefilled and e.coordinator is None: self.share_prefill(job, provider)
-    if job.prompt_logprobs is not None: target_cache, draft_cache, n_cached = None, None, 0   # every token scored
-    else: target_cache, draft_cache, n_cached = e.cache.fetch(space, job.prompt)
-    if target_cache is None: target_cache = make_prompt_cache(e.model)   # the executor makes it one that rolls back
+    if job.group is not None and not job.group.prefilled and e.coordinator is None:
+        self.share_prefill(job, provider)
+    if job.prompt_logprobs is not None:
+        target_cache, draft_cache, n_cached = None, None, 0  # every token scored
+    else:
+        target_cache, draft_cache, n_cached = e.cache.fetch(space, job.prompt)
+    if target_cache is None:
+        target_cache = make_prompt_cache(e.model)  # the executor makes it one that rolls back
     first = lambda: e.metrics.ttft.observe(time.perf_counter() - job.queued_at)
     return _Run(job, provider, target_cache, draft_cache, n_cached, TextSink(e.tokenizer, job, first))
 
+
 @patch
-def share_prefill(self:Runner, job:Job, provider):
+def share_prefill(self: Runner, job: Job, provider):
     "The first of a request's `n` choices to start reads the prompt into the prompt cache, for every choice."
     e = self.engine
     job.group.prefilled = True
     space = "plain" if provider is None else "spec"
-    if e.cache.lru is None: return   # no prompt cache (--prompt-cache-size 0): each choice reads the prompt itself
+    if e.cache.lru is None:
+        return  # no prompt cache (--prompt-cache-size 0): each choice reads the prompt itself
     target_cache, draft_cache, n = e.cache.fetch(space, job.prompt)
     target_cache = target_cache if target_cache is not None else make_prompt_cache(e.model)
-    res = spec_generate(e.model, provider, job.prompt[n:], max_tokens=1,
-                        num_draft_tokens=max(job.num_draft_tokens, 1), prompt_cache=target_cache,
-                        cached_tokens=job.prompt[:n], draft_cache=draft_cache,
-                        prefill_step_size=e.prefill_step_size, should_stop=job.should_stop)
+    res = spec_generate(
+        e.model,
+        provider,
+        job.prompt[n:],
+        max_tokens=1,
+        num_draft_tokens=max(job.num_draft_tokens, 1),
+        prompt_cache=target_cache,
+        cached_tokens=job.prompt[:n],
+        draft_cache=draft_cache,
+        prefill_step_size=e.prefill_step_size,
+        should_stop=job.should_stop,
+    )
     if res.finish_reason != "cancelled" and (space == "plain" or res.draft_cache is not None):
-        e.cache.insert(space, job.prompt + res.tokens[:res.fed], target_cache, res.draft_cache or [])
+        e.cache.insert(space, job.prompt + res.tokens[: res.fed], target_cache, res.draft_cache or [])
 
 # %% ../../nbs/08eb_runners.ipynb #e27d960c
 @patch
-def options(self:Runner, run:_Run)->dict:
+def options(self: Runner, run: _Run) -> dict:
     "The executor's options for the job: `spec_stream` and `Batch.add` take the same."
     job, e = run.job, self.engine
-    return dict(num_draft_tokens=max(job.num_draft_tokens, 1), max_tokens=job.max_tokens,
-                eos_token_ids=() if job.ignore_eos else e.tokenizer.eos_token_ids,
-                sampler=job.sampler, logits_processors=job.logits_processors, grammar=job.grammar,
-                prompt_cache=run.target_cache, cached_tokens=job.prompt[:run.n_cached], draft_cache=run.draft_cache,
-                acceptance=job.acceptance, prefill_step_size=e.prefill_step_size, should_stop=job.should_stop,
-                logprobs=job.logprobs, prompt_logprobs=job.prompt_logprobs)
+    return dict(
+        num_draft_tokens=max(job.num_draft_tokens, 1),
+        max_tokens=job.max_tokens,
+        eos_token_ids=() if job.ignore_eos else e.tokenizer.eos_token_ids,
+        sampler=job.sampler,
+        logits_processors=job.logits_processors,
+        grammar=job.grammar,
+        prompt_cache=run.target_cache,
+        cached_tokens=job.prompt[: run.n_cached],
+        draft_cache=run.draft_cache,
+        acceptance=job.acceptance,
+        prefill_step_size=e.prefill_step_size,
+        should_stop=job.should_stop,
+        logprobs=job.logprobs,
+        prompt_logprobs=job.prompt_logprobs,
+    )
 
 # %% ../../nbs/08eb_runners.ipynb #36e4107e
-def _emit_text(run:_Run, stream)->str|None:
+def _emit_text(run: _Run, stream) -> str | None:
     "Run `stream` into the job's text sink; the finish reason when the text (a stop sequence) or the job decides it."
-    with stream:   # leaving it closes the executor's loop: the caches hold prompt + tokens[:fed]
+    with stream:  # leaving it closes the executor's loop: the caches hold prompt + tokens[:fed]
         for t in stream:
-            if not run.sink.add(t): break
+            if not run.sink.add(t):
+                break
     return run.sink.close()
 
+
 @patch
-def run(self:Runner, job:Job):
+def run(self: Runner, job: Job):
     "Generate one job's tokens on the calling thread, emitting its events; a prefill stops within a chunk."
     e = self.engine
-    with nullcontext() if e.coordinator is None else e.coordinator.running(e, job):   # every rank at once
+    with nullcontext() if e.coordinator is None else e.coordinator.running(e, job):  # every rank at once
         run = self.open_run(job)
-        with RandomStream(job.seed):   # its own random numbers
-            stream = spec_stream(e.model, run.provider, job.prompt[run.n_cached:], **self.options(run))
+        with RandomStream(job.seed):  # its own random numbers
+            stream = spec_stream(e.model, run.provider, job.prompt[run.n_cached :], **self.options(run))
             run.sink.result = stream.result
             finish = _emit_text(run, stream)
         return self.answer(run, stream.result, finish)
 
+
 @patch
-def answer(self:Runner, run:_Run, res, finish:str|None):
+def answer(self: Runner, run: _Run, res, finish: str | None):
     "Keep the job's caches in the prompt cache, count it, and send its last event: done with usage, or an error."
     job, e = run.job, self.engine
     m = e.metrics
-    if e.coordinator is not None: e.coordinator.agree_tokens(res.tokens)   # every rank's, before they are kept
+    if e.coordinator is not None:
+        e.coordinator.agree_tokens(res.tokens)  # every rank's, before they are kept
     finish = finish or res.finish_reason or "length"
-    whole = res.finish_reason != "cancelled"   # "cancelled" by the executor: a cut-short prefill, part of the prompt
-    if whole and (not run.speculate or res.draft_cache is not None):   # None: the draft was dropped
-        e.cache.insert(run.space, job.prompt + res.tokens[:res.fed], run.target_cache, res.draft_cache or [])
+    whole = res.finish_reason != "cancelled"  # "cancelled" by the executor: a cut-short prefill, part of the prompt
+    if whole and (not run.speculate or res.draft_cache is not None):  # None: the draft was dropped
+        e.cache.insert(run.space, job.prompt + res.tokens[: res.fed], run.target_cache, res.draft_cache or [])
     st = res.stats
     log.info(f"{job.endpoint}: {len(job.prompt)} prompt tokens ({run.n_cached} cached), {finish}, " + st.summary())
-    if job.error is not None:   # stopped by the server (out of time, shutting down): the client is told why
+    if job.error is not None:  # stopped by the server (out of time, shutting down): the client is told why
         m.requests.labels(job.endpoint, job.error.code).inc()
         job.emit("error", job.error)
         return res
@@ -138,105 +175,136 @@ def answer(self:Runner, run:_Run, res, finish:str|None):
 # %% ../../nbs/08eb_runners.ipynb #a509def5
 class OneAtATime(Runner):
     "The worker's loop with one job running at a time."
+
     def work(self):
         "Serve each queued job until the queue's `None` (what `stop` puts there)."
         e = self.engine
         while (job := e.admission.jobs.get()) is not None:
-            try: self.serve_one(job)
-            except Exception as x: e.fail(job, x)
+            try:
+                self.serve_one(job)
+            except Exception as x:
+                e.fail(job, x)
 
-    def serve_one(self, job:Job):
+    def serve_one(self, job: Job):
         "Run one job taken from the queue: answered at once if it was stopped while it waited; a failure is its 500."
         e, adm = self.engine, self.engine.admission
         e.metrics.queue_depth.set(adm.jobs.qsize())
-        if job.should_stop(): return adm.drop(job)
-        e.cache.shrink(adm.room([job]))   # make room: the prompt cache gives way
+        if job.should_stop():
+            return adm.drop(job)
+        e.cache.shrink(adm.room([job]))  # make room: the prompt cache gives way
         adm.start(job)
-        try: self.run(job)
-        except Exception as x: e.fail(job, x)   # a failed request must not take the worker down
-        finally: adm.release(job)
-        adm.live.discard(job)   # answered: until then, a worker that stops answers it
-        if adm.jobs.empty(): mx.clear_cache()   # idle: the buffers MLX keeps go back to the system
+        try:
+            self.run(job)
+        except Exception as x:
+            e.fail(job, x)  # a failed request must not take the worker down
+        finally:
+            adm.release(job)
+        adm.live.discard(job)  # answered: until then, a worker that stops answers it
+        if adm.jobs.empty():
+            mx.clear_cache()  # idle: the buffers MLX keeps go back to the system
 
 # %% ../../nbs/08eb_runners.ipynb #c5270355
 class Batched(Runner):
     "The worker's loop with up to `max_batch_size` jobs in one `Batch`: admit, drop who should stop, one round, answer."
+
     def work(self):
         "Turn until told to stop; a turn that fails answers the jobs it had taken 500, and a fresh batch goes on."
         e, adm = self.engine, self.engine.admission
         batch = Batch(e.model, interleave_prefill=True)
         while True:
             try:
-                if not self.step(batch): break
+                if not self.step(batch):
+                    break
             except Exception as x:
                 log.exception("the batched worker's turn failed: its jobs are answered 500, the worker goes on")
                 batch.close()
                 adm.waiting = None
-                for job in adm.live - set(adm.jobs.queue): e.fail(job, x)   # every job it had taken from the queue
+                for job in adm.live - set(adm.jobs.queue):
+                    e.fail(job, x)  # every job it had taken from the queue
                 batch = Batch(e.model, interleave_prefill=True)
-        self.leave(batch, self.stopped())   # stopping: `close` has cancelled them all
+        self.leave(batch, self.stopped())  # stopping: `close` has cancelled them all
         batch.close()
 
-    def step(self, batch:Batch)->bool:
+    def step(self, batch: Batch) -> bool:
         "One turn of the loop: admit (waiting while idle), then `turn`; False when told to stop."
         taken = self.engine.admission.take(batch)
-        if taken is None: return False
-        for job in taken: self.join(batch, job)
+        if taken is None:
+            return False
+        for job in taken:
+            self.join(batch, job)
         self.turn(batch, [], self.stopped())
         return True
 
-    def turn(self, batch:Batch, joins:list, leaving:list):
+    def turn(self, batch: Batch, joins: list, leaving: list):
         "One turn with its joins and leaves decided: they join, they leave, one round (`--distributed`: on every rank)."
         e = self.engine
-        for job in joins: self.join(batch, job)
+        for job in joins:
+            self.join(batch, job)
         self.leave(batch, leaving)
-        if len(batch) or batch.early: self.round(batch)
+        if len(batch) or batch.early:
+            self.round(batch)
         e.metrics.batch_size.set(len(batch))
-        if not len(batch) and not e.admission.queued(): mx.clear_cache()   # idle: MLX's kept buffers go back
+        if not len(batch) and not e.admission.queued():
+            mx.clear_cache()  # idle: MLX's kept buffers go back
 
-    def stopped(self)->list:
+    def stopped(self) -> list:
         "The running jobs whose client left, whose time ran out, or that the server stopped."
         return [job for job in self.engine.admission.active if job.stop_here()]
 
 # %% ../../nbs/08eb_runners.ipynb #c26b64d6
 @patch
-def join(self:Batched, batch:Batch, job:Job):
+def join(self: Batched, batch: Batch, job: Job):
     "Add the job to the batch from its caches (a prompt-cache hit skips that much prefill); a failure is its 500."
     try:
         run = self.open_run(job)
-        batch.add(job.prompt[run.n_cached:], run.provider, id=job, seed=job.seed,
-                  on_token=run.sink.add, **self.options(run))
+        batch.add(
+            job.prompt[run.n_cached :], run.provider, id=job, seed=job.seed, on_token=run.sink.add, **self.options(run)
+        )
         run.sink.result = batch.result(job)
-    except Exception as e: return self.engine.fail(job, e)
+    except Exception as e:
+        return self.engine.fail(job, e)
     self.engine.admission.start(job, run)
 
+
 @patch
-def leave(self:Batched, batch:Batch, jobs:list):
+def leave(self: Batched, batch: Batch, jobs: list):
     "These jobs leave the batch now, between rounds, each answered as cancelled (or with the server's reason)."
     for job in jobs:
         run = self.engine.admission.active[job]
-        try: res = batch.remove(job)   # it leaves the batch even when this raises
-        except Exception as e: self.engine.fail(job, e)
-        else: self.end(run, res, "cancelled")
+        try:
+            res = batch.remove(job)  # it leaves the batch even when this raises
+        except Exception as e:
+            self.engine.fail(job, e)
+        else:
+            self.end(run, res, "cancelled")
+
 
 @patch
-def round(self:Batched, batch:Batch):
+def round(self: Batched, batch: Batch):
     "One batched round: a job whose own part failed is its 500; if a shared forward fails, every job in it is."
     e = self.engine
     e.metrics.batch_size.set(len(batch))
-    if batch.rows: e.metrics.batch_rounds.observe(len(batch.rows))
-    try: ended = batch.step()
+    if batch.rows:
+        e.metrics.batch_rounds.observe(len(batch.rows))
+    try:
+        ended = batch.step()
     except Exception as x:
         log.exception("batched round failed")
         batch.close()
-        for job in list(e.admission.active): e.fail(job, x)
+        for job in list(e.admission.active):
+            e.fail(job, x)
         return
-    for job, x in batch.failed: e.fail(job, x)
-    for job, res in ended: self.end(e.admission.active[job], res)
+    for job, x in batch.failed:
+        e.fail(job, x)
+    for job, res in ended:
+        self.end(e.admission.active[job], res)
+
 
 @patch
-def end(self:Batched, run:_Run, res, finish:str|None=None):
+def end(self: Batched, run: _Run, res, finish: str | None = None):
     "A job left the batch: flush its text, answer it, free its slot and its memory."
-    try: self.answer(run, res, finish or run.sink.close())
-    except Exception as e: return self.engine.fail(run.job, e)
+    try:
+        self.answer(run, res, finish or run.sink.close())
+    except Exception as e:
+        return self.engine.fail(run.job, e)
     self.engine.admission.answered(run.job)

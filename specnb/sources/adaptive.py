@@ -13,30 +13,64 @@ from .base import TargetView
 # %% ../../nbs/05c_adaptive.ipynb #f0f5d2b7
 class AdaptiveSource:
     "Wraps a source; asks it for at most `gamma` tokens and moves `gamma` by the last round's outcome."
+
     def __init__(self, inner, start=3, lo=1, up=2, down=1):
         self.inner, self.gamma, self.lo, self.up, self.down = inner, start, lo, up, down
         self.tap_layers = getattr(inner, "tap_layers", None)
-        self.ceiling, self.rounds = start, []   # rounds: (gamma, asked) per round, for inspection
-    def prefill(self, prompt_ids, ctx=None): self.inner.prefill(prompt_ids, ctx)
+        self.ceiling, self.rounds = start, []  # rounds: (gamma, asked) per round, for inspection
+
+    def prefill(self, prompt_ids, ctx=None):
+        self.inner.prefill(prompt_ids, ctx)
+
     def draft(self, feed, n, step=0, anchor_hidden=None):
-        self.ceiling = max(self.ceiling, n)    # the executor's n is num_draft_tokens until the last rounds
+        self.ceiling = max(self.ceiling, n)  # the executor's n is num_draft_tokens until the last rounds
         self.asked = min(n, self.gamma)
         self.rounds.append((self.gamma, self.asked))
         return self.inner.draft(feed, self.asked, step, anchor_hidden)
+
     def commit(self, d, k):
         self.inner.commit(d, k)
-        if self.asked == 0: return
+        if self.asked == 0:
+            return
         all_kept = k == d == self.asked
         self.gamma = min(self.gamma + self.up, self.ceiling) if all_kept else max(self.lo, self.gamma - self.down)
-    def save(self, held, anchor_hidden=None): return self.inner.save(held, anchor_hidden)   # a tapped source also takes its unread rows
-    def draft_logprobs(self): return self.inner.draft_logprobs()
-    def close(self): self.inner.close()
+
+    def save(self, held, anchor_hidden=None):
+        return self.inner.save(held, anchor_hidden)  # a tapped source also takes its unread rows
+
+    def draft_logprobs(self):
+        return self.inner.draft_logprobs()
+
+    def close(self):
+        self.inner.close()
+
 
 class AdaptiveProvider:
     "Adaptive draft length (+`up` after a fully accepted round, −`down` otherwise) around any provider."
-    def __init__(self, inner, start:int=3, lo:int=1, up:int=2, down:int=1):
-        if not 1 <= lo <= start: raise ValueError(f"need 1 <= lo <= start, got lo={lo}, start={start}")
+
+    def __init__(self, inner, start: int = 3, lo: int = 1, up: int = 2, down: int = 1):
+        if not 1 <= lo <= start:
+            raise ValueError(f"need 1 <= lo <= start, got lo={lo}, start={start}")
         self.inner, self.start, self.lo, self.up, self.down = inner, start, lo, up, down
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->AdaptiveSource:
-        return AdaptiveSource(self.inner.open(sampler=sampler, logits_processors=logits_processors, target=target,
-                                              prefill_step_size=prefill_step_size, grammar=grammar), self.start, self.lo, self.up, self.down)
+
+    def open(
+        self,
+        sampler=None,
+        logits_processors=None,
+        target: TargetView | None = None,
+        prefill_step_size=2048,
+        grammar=None,
+    ) -> AdaptiveSource:
+        return AdaptiveSource(
+            self.inner.open(
+                sampler=sampler,
+                logits_processors=logits_processors,
+                target=target,
+                prefill_step_size=prefill_step_size,
+                grammar=grammar,
+            ),
+            self.start,
+            self.lo,
+            self.up,
+            self.down,
+        )

@@ -24,33 +24,48 @@ from .base import TargetView, draft_distribution, draft_tokens
 # %% ../../nbs/05p_assistant.ipynb #ccc6d247
 MODEL_TYPE = "gemma4_assistant"
 
-def read_assistant(cfg:dict)->gemma4_text.ModelArgs:
-    "The drafter layers' arguments (mlx-lm's `gemma4_text`) from a checkpoint's `config.json` contents; a `ValueError` naming what it cannot read."
-    if cfg.get("model_type") != MODEL_TYPE: raise ValueError(f"model_type: a Gemma 4 assistant checkpoint says {MODEL_TYPE!r}, this one {cfg.get('model_type')!r}")
+
+def read_assistant(cfg: dict) -> gemma4_text.ModelArgs:
+    """The drafter layers' arguments (mlx-lm's `gemma4_text`) from a checkpoint's `config.json` contents; a `ValueError`
+    naming what it cannot read."""
+    if cfg.get("model_type") != MODEL_TYPE:
+        raise ValueError(
+            f"model_type: a Gemma 4 assistant checkpoint says {MODEL_TYPE!r}, this one {cfg.get('model_type')!r}"
+        )
     text = dict(cfg.get("text_config") or {})
-    if not text: raise ValueError("text_config: a Gemma 4 assistant checkpoint describes its layers there, this one has none")
+    if not text:
+        raise ValueError("text_config: a Gemma 4 assistant checkpoint describes its layers there, this one has none")
     L = text.get("num_hidden_layers", 1)
-    if text.get("num_kv_shared_layers") not in (None, 0, L):   # every layer borrows K/V: none has projections of its own
-        raise ValueError(f"text_config.num_kv_shared_layers: an assistant's {L} layers all borrow the target's K/V, this one says {text['num_kv_shared_layers']}")
+    if text.get("num_kv_shared_layers") not in (None, 0, L):  # every layer borrows K/V: none has projections of its own
+        raise ValueError(
+            f"text_config.num_kv_shared_layers: an assistant's {L} layers all borrow the target's K/V, this one says "
+            f"{text['num_kv_shared_layers']}"
+        )
     text.update(model_type="gemma4_text", num_kv_shared_layers=L)
     text.setdefault("hidden_size_per_layer_input", 0)
     return gemma4_text.ModelArgs.from_dict(text)
 
 # %% ../../nbs/05p_assistant.ipynb #2c65d275
 class Centroids(nn.Module):
-    "The checkpoint's `masked_embedding`: score `num_centroids` token clusters, read out only the tokens of the top `k`."
-    def __init__(self, hidden:int, vocab:int, clusters:int, k:int):
+    """The checkpoint's `masked_embedding`: score `num_centroids` token clusters, read out only the tokens of the top
+    `k`."""
+
+    def __init__(self, hidden: int, vocab: int, clusters: int, k: int):
         super().__init__()
-        if vocab % clusters: raise ValueError(f"num_centroids: {clusters} clusters must split the vocabulary evenly, and vocab_size is {vocab}")
+        if vocab % clusters:
+            raise ValueError(
+                f"num_centroids: {clusters} clusters must split the vocabulary evenly, and vocab_size is {vocab}"
+            )
         self.k, self.shape = k, (clusters, vocab // clusters)
         self.centroids = nn.Linear(hidden, clusters, bias=False)
-        self.token_ordering = mx.arange(vocab, dtype=mx.int32)   # a buffer read from the checkpoint, never trained
+        self.token_ordering = mx.arange(vocab, dtype=mx.int32)  # a buffer read from the checkpoint, never trained
         self.freeze(recurse=False, keys=["token_ordering"])
 
-    def __call__(self, y, table)->mx.array:
-        "Full-vocabulary logits of `y` `(B, 1, h)` against `table` `(V, h)`: the top clusters' tokens scored, every other one just below their least."
-        top = mx.argpartition(self.centroids(y), kth=-self.k, axis=-1)[..., -self.k:]
-        ids = self.token_ordering.reshape(self.shape)[top].reshape(*y.shape[:-1], -1)   # (B, 1, k·V/C)
+    def __call__(self, y, table) -> mx.array:
+        """Full-vocabulary logits of `y` `(B, 1, h)` against `table` `(V, h)`: the top clusters' tokens scored, every
+        other one just below their least."""
+        top = mx.argpartition(self.centroids(y), kth=-self.k, axis=-1)[..., -self.k :]
+        ids = self.token_ordering.reshape(self.shape)[top].reshape(*y.shape[:-1], -1)  # (B, 1, k·V/C)
         scores = (table[ids] @ y[..., None])[..., 0]
         out = mx.full((*y.shape[:-1], self.token_ordering.size), mx.min(scores) - 1, dtype=y.dtype)
         return mx.put_along_axis(out, ids, scores, axis=-1)
@@ -58,32 +73,41 @@ class Centroids(nn.Module):
 # %% ../../nbs/05p_assistant.ipynb #e69f2085
 class _Inner(nn.Module):
     "The checkpoint's `model.*`: the tied embedding, Q-only Gemma 4 layers (mlx-lm's own), a final norm."
+
     def __init__(self, a):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.layers = [gemma4_text.DecoderLayer(a, i) for i in range(a.num_hidden_layers)]
         self.norm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
 
+
 class Assistant(nn.Module):
-    "A Gemma 4 assistant, tensor for tensor the published checkpoint: `pre_projection`, Q-only layers over borrowed K/V, `post_projection`, a centroid (or tied) read-out."
-    def __init__(self, cfg:dict):
+    """A Gemma 4 assistant, tensor for tensor the published checkpoint: `pre_projection`, Q-only layers over borrowed
+    K/V, `post_projection`, a centroid (or tied) read-out."""
+
+    def __init__(self, cfg: dict):
         super().__init__()
         self.cfg, self.args = cfg, read_assistant(cfg)
         a, H = self.args, cfg["backbone_hidden_size"]
         self.model = _Inner(a)
         self.pre_projection = nn.Linear(2 * H, a.hidden_size, bias=False)
         self.post_projection = nn.Linear(a.hidden_size, H, bias=False)
-        if not cfg.get("tie_word_embeddings", True): self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        if not cfg.get("tie_word_embeddings", True):
+            self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         if cfg.get("use_ordered_embeddings"):
-            self.masked_embedding = Centroids(a.hidden_size, a.vocab_size, cfg["num_centroids"], cfg["centroid_intermediate_top_k"])
+            self.masked_embedding = Centroids(
+                a.hidden_size, a.vocab_size, cfg["num_centroids"], cfg["centroid_intermediate_top_k"]
+            )
 
-    def readout(self, y)->mx.array:
+    def readout(self, y) -> mx.array:
         "Logits of the drafter's normed output `y`."
-        if "masked_embedding" in self: return self.masked_embedding(y, self.model.embed_tokens.weight)
+        if "masked_embedding" in self:
+            return self.masked_embedding(y, self.model.embed_tokens.weight)
         return self.lm_head(y) if "lm_head" in self else self.model.embed_tokens.as_linear(y)
 
-    def __call__(self, embedded, hidden, kv:dict, position:int)->tuple:
-        "`(next hidden, logits)` from a target-scaled embedding and a backbone hidden, each `(B, 1, H)`, querying from `position` over `kv[layer_type] = (keys, values)`."
+    def __call__(self, embedded, hidden, kv: dict, position: int) -> tuple:
+        """`(next hidden, logits)` from a target-scaled embedding and a backbone hidden, each `(B, 1, H)`, querying from
+        `position` over `kv[layer_type] = (keys, values)`."""
         x = self.pre_projection(mx.concatenate([embedded, hidden], axis=-1))
         for layer in self.model.layers:
             x, _, _ = layer(x, None, None, shared_kv=kv[layer.layer_type], offset=position)
@@ -91,192 +115,305 @@ class Assistant(nn.Module):
         return self.post_projection(y), self.readout(y)
 
 # %% ../../nbs/05p_assistant.ipynb #60cc2287
-def load_assistant(path)->Assistant:
+def load_assistant(path) -> Assistant:
     "The Gemma 4 assistant in the folder `path` (`config.json`, `*.safetensors`), in float32."
     path = Path(path)
-    if not (path/"config.json").is_file(): raise ValueError(f"no Gemma 4 assistant at {path}: expected config.json and model.safetensors")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"no Gemma 4 assistant at {path}: expected config.json and model.safetensors")
+
     def empty(cfg, weights):
         if cfg.get("tie_word_embeddings", True):
-            weights.pop("lm_head.weight", None)   # a copy of the embedding, never read
+            weights.pop("lm_head.weight", None)  # a copy of the embedding, never read
         return Assistant(cfg)
-    d = read_checkpoint(path, empty)   # token_ordering back to int32
+
+    d = read_checkpoint(path, empty)  # token_ordering back to int32
     d.set_dtype(mx.float32)
     mx.eval(d.parameters())
     return d
 
-def is_assistant(path)->bool:
+
+def is_assistant(path) -> bool:
     "Does the folder `path` hold a Gemma 4 assistant checkpoint (its `config.json` says so)?"
-    f = Path(path)/"config.json"
+    f = Path(path) / "config.json"
     return f.is_file() and json.loads(f.read_text()).get("model_type") == MODEL_TYPE
 
-def save_assistant(d:Assistant, path, dtype=mx.float32)->Path:
-    "Write `d` into the folder `path` in the published layout: `config.json` and `model.safetensors` (`token_ordering` as int64)."
+
+def save_assistant(d: Assistant, path, dtype=mx.float32) -> Path:
+    """Write `d` into the folder `path` in the published layout: `config.json` and `model.safetensors` (`token_ordering`
+    as int64)."""
     return write_checkpoint(path, d.cfg, d, dtype)
 
-def assistant_config(target, hidden_size:int=32, layers:int=2, intermediate_size:int=64, num_centroids:int=16, top_k:int=4, ordered:bool=True)->dict:
-    "A small `gemma4_assistant` config fitting the `gemma4_text` `target` (tests): its heads, window, RoPE and vocabulary."
-    a = text_model(target).args
-    text = dict(model_type="gemma4_text", hidden_size=hidden_size, num_hidden_layers=layers, intermediate_size=intermediate_size,
-                num_attention_heads=a.num_attention_heads, head_dim=a.head_dim, global_head_dim=a.global_head_dim,
-                num_key_value_heads=a.num_key_value_heads, num_global_key_value_heads=a.num_global_key_value_heads, num_kv_shared_layers=layers,
-                hidden_size_per_layer_input=0, vocab_size=a.vocab_size, rms_norm_eps=a.rms_norm_eps, sliding_window=a.sliding_window,
-                layer_types=(["sliding_attention"] * (layers - 1) + ["full_attention"]), rope_parameters=a.rope_parameters,
-                attention_k_eq_v=a.attention_k_eq_v, use_double_wide_mlp=False, final_logit_softcapping=None, tie_word_embeddings=True)
-    return dict(model_type=MODEL_TYPE, architectures=["Gemma4AssistantForCausalLM"], backbone_hidden_size=a.hidden_size, use_ordered_embeddings=ordered,
-                num_centroids=num_centroids, centroid_intermediate_top_k=top_k, tie_word_embeddings=True, text_config=text)
 
-def random_assistant(target, path, seed:int=0, **kw)->Path:
+def assistant_config(
+    target,
+    hidden_size: int = 32,
+    layers: int = 2,
+    intermediate_size: int = 64,
+    num_centroids: int = 16,
+    top_k: int = 4,
+    ordered: bool = True,
+) -> dict:
+    """A small `gemma4_assistant` config fitting the `gemma4_text` `target` (tests): its heads, window, RoPE and
+    vocabulary."""
+    a = text_model(target).args
+    text = dict(
+        model_type="gemma4_text",
+        hidden_size=hidden_size,
+        num_hidden_layers=layers,
+        intermediate_size=intermediate_size,
+        num_attention_heads=a.num_attention_heads,
+        head_dim=a.head_dim,
+        global_head_dim=a.global_head_dim,
+        num_key_value_heads=a.num_key_value_heads,
+        num_global_key_value_heads=a.num_global_key_value_heads,
+        num_kv_shared_layers=layers,
+        hidden_size_per_layer_input=0,
+        vocab_size=a.vocab_size,
+        rms_norm_eps=a.rms_norm_eps,
+        sliding_window=a.sliding_window,
+        layer_types=(["sliding_attention"] * (layers - 1) + ["full_attention"]),
+        rope_parameters=a.rope_parameters,
+        attention_k_eq_v=a.attention_k_eq_v,
+        use_double_wide_mlp=False,
+        final_logit_softcapping=None,
+        tie_word_embeddings=True,
+    )
+    return dict(
+        model_type=MODEL_TYPE,
+        architectures=["Gemma4AssistantForCausalLM"],
+        backbone_hidden_size=a.hidden_size,
+        use_ordered_embeddings=ordered,
+        num_centroids=num_centroids,
+        centroid_intermediate_top_k=top_k,
+        tie_word_embeddings=True,
+        text_config=text,
+    )
+
+
+def random_assistant(target, path, seed: int = 0, **kw) -> Path:
     "Write an untrained assistant for `target` into the folder `path` (tests): same seed, same tensors."
     mx.random.seed(seed)
     d = Assistant(assistant_config(target, **kw))
-    if "masked_embedding" in d: d.masked_embedding.token_ordering = mx.random.permutation(d.args.vocab_size).astype(mx.int32)
-    for layer in d.model.layers: layer.layer_scalar = mx.random.uniform(0.5, 1.5, (1,))
+    if "masked_embedding" in d:
+        d.masked_embedding.token_ordering = mx.random.permutation(d.args.vocab_size).astype(mx.int32)
+    for layer in d.model.layers:
+        layer.layer_scalar = mx.random.uniform(0.5, 1.5, (1,))
     mx.eval(d.parameters())
     return save_assistant(d, path)
 
 # %% ../../nbs/05p_assistant.ipynb #66cf467e
-def tiny_gemma4(seed:int=0, hidden_size:int=64, vocab_size:int=512, window:int=8):
+def tiny_gemma4(seed: int = 0, hidden_size: int = 64, vocab_size: int = 512, window: int = 8):
     "A random mlx-lm gemma4_text target: 6 layers (the last 2 KV-shared), sliding window `window`."
     mx.random.seed(seed)
-    a = gemma4_text.ModelArgs(model_type="gemma4_text", hidden_size=hidden_size, num_hidden_layers=6, intermediate_size=128, num_attention_heads=4,
-                              head_dim=16, global_head_dim=32, num_key_value_heads=2, num_kv_shared_layers=2, hidden_size_per_layer_input=0,
-                              vocab_size=vocab_size, vocab_size_per_layer_input=vocab_size, sliding_window=window, max_position_embeddings=4096,
-                              layer_types=["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"])
+    a = gemma4_text.ModelArgs(
+        model_type="gemma4_text",
+        hidden_size=hidden_size,
+        num_hidden_layers=6,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=16,
+        global_head_dim=32,
+        num_key_value_heads=2,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=0,
+        vocab_size=vocab_size,
+        vocab_size_per_layer_input=vocab_size,
+        sliding_window=window,
+        max_position_embeddings=4096,
+        layer_types=["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"],
+    )
     m = gemma4_text.Model(a)
     mx.eval(m.parameters())
     return m
 
 # %% ../../nbs/05p_assistant.ipynb #41dc8a2e
-def _last_of(a, kind:str)->int:
-    "The target layer whose cache holds `kind`'s K/V for every later layer: the last one of that type with K/V of its own."
+def _last_of(a, kind: str) -> int:
+    """The target layer whose cache holds `kind`'s K/V for every later layer: the last one of that type with K/V of its
+    own."""
     own = a.num_hidden_layers - (a.num_kv_shared_layers or 0)
     found = [i for i, t in enumerate(a.layer_types[:own]) if t == kind]
-    if not found: raise ValueError(f"layer_types: the Gemma 4 assistant reads the target's last {kind} layer, and the target has none with K/V of its own")
+    if not found:
+        raise ValueError(
+            f"layer_types: the Gemma 4 assistant reads the target's last {kind} layer, and the target has none with "
+            "K/V of its own"
+        )
     return found[-1]
 
-def check_assistant_target(d:Assistant, model):
+
+def check_assistant_target(d: Assistant, model):
     "Raise `ValueError` (one line: the field and both values) unless `d` can draft for `model`."
     lm = text_model(model)
-    if arch_name(lm) != "gemma4_text": raise ValueError(f"model_type: the Gemma 4 assistant drafts for gemma4_text, the target is {arch_name(lm)}")
+    if arch_name(lm) != "gemma4_text":
+        raise ValueError(f"model_type: the Gemma 4 assistant drafts for gemma4_text, the target is {arch_name(lm)}")
     a, t = lm.args, d.args
-    pairs = [("backbone_hidden_size", d.cfg["backbone_hidden_size"], "hidden_size", a.hidden_size),
-             ("text_config.vocab_size", t.vocab_size, "vocab_size", a.vocab_size),
-             ("text_config.head_dim", t.head_dim, "head_dim", a.head_dim),
-             ("text_config.global_head_dim", t.global_head_dim, "global_head_dim", a.global_head_dim),
-             ("text_config.sliding_window", t.sliding_window, "sliding_window", a.sliding_window)]
+    pairs = [
+        ("backbone_hidden_size", d.cfg["backbone_hidden_size"], "hidden_size", a.hidden_size),
+        ("text_config.vocab_size", t.vocab_size, "vocab_size", a.vocab_size),
+        ("text_config.head_dim", t.head_dim, "head_dim", a.head_dim),
+        ("text_config.global_head_dim", t.global_head_dim, "global_head_dim", a.global_head_dim),
+        ("text_config.sliding_window", t.sliding_window, "sliding_window", a.sliding_window),
+    ]
     for mine, v, theirs, w in pairs:
-        if v != w: raise ValueError(f"{mine}: the assistant's is {v}, the target's {theirs} is {w}")
-    for kind in set(t.layer_types): _last_of(a, kind)
+        if v != w:
+            raise ValueError(f"{mine}: the assistant's is {v}, the target's {theirs} is {w}")
+    for kind in set(t.layer_types):
+        _last_of(a, kind)
 
 # %% ../../nbs/05p_assistant.ipynb #a370a456
-def borrowed_kv(c, window:int|None=None)->tuple:
-    "The keys and values of exactly the positions the target keeps in cache `c` (the newest `window` of them on a sliding layer), in order."
+def borrowed_kv(c, window: int | None = None) -> tuple:
+    """The keys and values of exactly the positions the target keeps in cache `c` (the newest `window` of them on a
+    sliding layer), in order."""
     P = c.offset
     if isinstance(c, SpecRotatingKVCache):
-        return c.kept(window)   # the ring's slots from its oldest sure position on; its slack past P holds rejected drafts
-    if isinstance(c, RowCache): return c.kept(window)   # a request's row of a batch's cache (04c): the same positions, read off its row
-    if type(c) is KVCache: return c.keys[..., :P, :], c.values[..., :P, :]
-    raise ValueError(f"the Gemma 4 assistant cannot read the target's {type(c).__name__}: it reads mlx-lm's KVCache, specnb's SpecRotatingKVCache and a batch's rows")
+        return c.kept(
+            window
+        )  # the ring's slots from its oldest sure position on; its slack past P holds rejected drafts
+    if isinstance(c, RowCache):
+        return c.kept(window)  # a request's row of a batch's cache (04c): the same positions, read off its row
+    if type(c) is KVCache:
+        return c.keys[..., :P, :], c.values[..., :P, :]
+    raise ValueError(
+        f"the Gemma 4 assistant cannot read the target's {type(c).__name__}: it reads mlx-lm's KVCache, specnb's "
+        "SpecRotatingKVCache and a batch's rows"
+    )
 
 # %% ../../nbs/05p_assistant.ipynb #cec4e052
 class _LastHidden(nn.Module):
-    "Stands in for the target's final norm while assistant sources read it: the norm's own weight and output, handed to the sources watching the forward."
+    """Stands in for the target's final norm while assistant sources read it: the norm's own weight and output, handed
+    to the sources watching the forward."""
+
     def __init__(self, norm):
         super().__init__()
-        dict.update(self, norm)                    # the same weight: the target's parameters look unchanged
-        object.__setattr__(self, "real", norm)     # plain attributes, not child modules
-        object.__setattr__(self, "readers", [])   # the open sources; each keeps the rows of the forwards it watches
+        dict.update(self, norm)  # the same weight: the target's parameters look unchanged
+        object.__setattr__(self, "real", norm)  # plain attributes, not child modules
+        object.__setattr__(self, "readers", [])  # the open sources; each keeps the rows of the forwards it watches
 
     def __call__(self, x):
         h = self.real(x)
         for s in self.readers:
-            if s.watching: s._took(h)
+            if s.watching:
+                s._took(h)
         return h
 
-class Anchor:
-    "The assistant's whole draft cache: the target's final hidden at the newest of the `offset` positions a prompt cache holds."
-    def __init__(self, hidden, offset:int): self.hidden, self.offset = hidden, offset
-    @property
-    def nbytes(self)->int: return 0 if self.hidden is None else self.hidden.nbytes
-    def is_trimmable(self)->bool: return True
-    def trimmable(self)->int: return self.offset
 
-    def trim(self, n:int)->int:
+class Anchor:
+    """The assistant's whole draft cache: the target's final hidden at the newest of the `offset` positions a prompt
+    cache holds."""
+
+    def __init__(self, hidden, offset: int):
+        self.hidden, self.offset = hidden, offset
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.hidden is None else self.hidden.nbytes
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trimmable(self) -> int:
+        return self.offset
+
+    def trim(self, n: int) -> int:
         n = min(n, self.offset)
-        if n: self.hidden = None   # its position is gone: the next request's first round drafts nothing
+        if n:
+            self.hidden = None  # its position is gone: the next request's first round drafts nothing
         self.offset -= n
         return n
 
 # %% ../../nbs/05p_assistant.ipynb #9769a513
 class AssistantSource:
-    "Per-request state of the assistant: the target's newest final-hidden rows and the caches it borrows; nothing of its own to roll back."
-    tap_layers = None   # it reads the target's final norm, not its decoder layers
+    """Per-request state of the assistant: the target's newest final-hidden rows and the caches it borrows; nothing of
+    its own to roll back."""
 
-    def __init__(self, d:Assistant, target:TargetView, sampler=None, grammar=None):
+    tap_layers = None  # it reads the target's final norm, not its decoder layers
+
+    def __init__(self, d: Assistant, target: TargetView, sampler=None, grammar=None):
         self.d, self.target, self.sampler, self.grammar = d, target, sampler, grammar
         lm = text_model(target.model)
         a, inner = lm.args, lm.model
         self.embed, self.scale, self.window = inner.embed_tokens, inner.embed_scale, a.sliding_window
         self.caches = {kind: target.cache[_last_of(a, kind)] for kind in sorted(set(d.args.layer_types))}
         self.rows, self.start, self.anchor, self.logits, self.watching = None, 0, None, [], False
-        if not isinstance(inner.norm, _LastHidden): inner.norm = _LastHidden(inner.norm)   # one stand-in, however many requests read it
+        if not isinstance(inner.norm, _LastHidden):
+            inner.norm = _LastHidden(inner.norm)  # one stand-in, however many requests read it
         self.inner = inner
         inner.norm.readers.append(self)
 
     def watch(self):
-        "A context around the target forwards this request runs: their final hidden rows are its own (the executor's `r.watch`)."
+        """A context around the target forwards this request runs: their final hidden rows are its own (the executor's
+        `r.watch`)."""
         return self
-    def __enter__(self): self.watching = True
-    def __exit__(self, *exc): self.watching = False
 
-    def offset(self)->int:
+    def __enter__(self):
+        self.watching = True
+
+    def __exit__(self, *exc):
+        self.watching = False
+
+    def offset(self) -> int:
         "Positions the target holds."
-        return next(iter(self.caches.values())).offset   # every cache holds the same positions
+        return next(iter(self.caches.values())).offset  # every cache holds the same positions
 
     def _took(self, h):
-        "A target forward's final hidden rows `(B, T, H)`: its own, at positions `start … start+T−1` (in a batch, its row's: its caches are row views)."
+        """A target forward's final hidden rows `(B, T, H)`: its own, at positions `start … start+T−1` (in a batch, its
+        row's: its caches are row views)."""
         slot = getattr(next(iter(self.caches.values())), "slot", None)
-        if slot is not None: h = h[slot.index:slot.index + 1]
+        if slot is not None:
+            h = h[slot.index : slot.index + 1]
         self.rows, self.start = h, self.offset() - h.shape[1]
 
     def prefill(self, prompt_ids, ctx=None):
-        "Nothing to read ahead: the target's prefill leaves its rows. `ctx`: a saved `Anchor`, the hidden of a prompt cache's newest position."
-        if ctx: self.anchor = ctx[0]
+        """Nothing to read ahead: the target's prefill leaves its rows. `ctx`: a saved `Anchor`, the hidden of a prompt
+        cache's newest position."""
+        if ctx:
+            self.anchor = ctx[0]
 
-    def hidden(self, p:int)->mx.array|None:
-        "The target's final hidden `(1, 1, H)` at position `p` (None: no forward of this request produced it, and none was saved)."
-        if self.rows is not None and 0 <= p - self.start < self.rows.shape[1]: return self.rows[:, p - self.start][:, None]
-        if self.anchor is not None and self.anchor.hidden is not None and self.anchor.offset == p + 1: return self.anchor.hidden
+    def hidden(self, p: int) -> mx.array | None:
+        """The target's final hidden `(1, 1, H)` at position `p` (None: no forward of this request produced it, and none
+        was saved)."""
+        if self.rows is not None and 0 <= p - self.start < self.rows.shape[1]:
+            return self.rows[:, p - self.start][:, None]
+        if self.anchor is not None and self.anchor.hidden is not None and self.anchor.offset == p + 1:
+            return self.anchor.hidden
         return None
 
-    def kv(self)->dict:
+    def kv(self) -> dict:
         "The borrowed K/V per layer type: exactly the positions the target keeps."
-        return {kind: borrowed_kv(c, self.window if kind == "sliding_attention" else None) for kind, c in self.caches.items()}
+        return {
+            kind: borrowed_kv(c, self.window if kind == "sliding_attention" else None)
+            for kind, c in self.caches.items()
+        }
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
         P = self.offset()
         h = self.hidden(P - 1)
         self.logits = []
-        if n == 0 or h is None: return []
+        if n == 0 or h is None:
+            return []
         kv, state = self.kv(), [h]
 
         def next_logits(y):
             tok = mx.array([[int(feed[-1])]], mx.uint32) if y is None else y.reshape(1, 1)
-            state[0], logits = self.d(self.embed(tok) * self.scale, state[0], kv, P - 1)   # the query stays at P−1 all round
+            state[0], logits = self.d(
+                self.embed(tok) * self.scale, state[0], kv, P - 1
+            )  # the query stays at P−1 all round
             return logits[0]
+
         out, self.logits = draft_tokens(next_logits, n, self.sampler, self.grammar)
-        return mx.concatenate(out)   # lazy: evaluated together with the verify forward
+        return mx.concatenate(out)  # lazy: evaluated together with the verify forward
 
     def draft_logprobs(self):
         "The distributions the last drafts were sampled from (lazy), for the rejection rule."
         return draft_distribution(self.logits, self.sampler)
 
-    def commit(self, d, k): pass   # the target's caches are trimmed already: the next draft reads what they keep
+    def commit(self, d, k):
+        pass  # the target's caches are trimmed already: the next draft reads what they keep
 
-    def save(self, held, anchor_hidden=None)->list:
+    def save(self, held, anchor_hidden=None) -> list:
         "The draft cache for the target's `held` tokens: the final hidden at the newest of them."
         h = self.hidden(len(held) - 1)
-        if h is not None: mx.eval(h)
+        if h is not None:
+            mx.eval(h)
         self.close()
         return [Anchor(h, len(held))]
 
@@ -285,20 +422,31 @@ class AssistantSource:
         norm = self.inner.norm
         if isinstance(norm, _LastHidden) and self in norm.readers:
             norm.readers.remove(self)
-            if not norm.readers: self.inner.norm = norm.real
+            if not norm.readers:
+                self.inner.norm = norm.real
         self.rows = self.anchor = None
 
 # %% ../../nbs/05p_assistant.ipynb #af1ef5f2
 class AssistantProvider:
-    "Drafting with a published Gemma 4 assistant on a `gemma4_text` target's own K/V and final hidden; each request gets an `AssistantSource`."
-    def __init__(self, assistant:Assistant|str|Path):   # an `Assistant`, or a folder holding a checkpoint
+    """Drafting with a published Gemma 4 assistant on a `gemma4_text` target's own K/V and final hidden; each request
+    gets an `AssistantSource`."""
+
+    def __init__(self, assistant: Assistant | str | Path):  # an `Assistant`, or a folder holding a checkpoint
         self.assistant = assistant if isinstance(assistant, Assistant) else load_assistant(assistant)
 
     def check(self, model):
         "Raise `ValueError` unless the assistant fits `model` (call at start-up)."
         check_assistant_target(self.assistant, model)
 
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->AssistantSource:
-        if target is None: raise ValueError("the assistant borrows the target's caches: open it with target=TargetView(model, cache)")
+    def open(
+        self,
+        sampler=None,
+        logits_processors=None,
+        target: TargetView | None = None,
+        prefill_step_size=2048,
+        grammar=None,
+    ) -> AssistantSource:
+        if target is None:
+            raise ValueError("the assistant borrows the target's caches: open it with target=TargetView(model, cache)")
         self.check(target.model)
         return AssistantSource(self.assistant, target, sampler, grammar)

@@ -20,92 +20,140 @@ import mlx.core as mx
 @dataclass
 class TargetView:
     "What a source may read of the target: the model and its live caches (read-only by contract)."
+
     model: object
     cache: list
+
 
 @runtime_checkable
 class DraftSource(Protocol):
     "A per-request drafter: exactly the calls the executor makes (see the contract above)."
+
     tap_layers: list | None
-    def prefill(self, prompt_ids:list, ctx:list|None=None): ...
-    def draft(self, feed:list, n:int, step:int=0, anchor_hidden:mx.array|None=None)->list|mx.array: ...
-    def draft_logprobs(self)->mx.array|None: ...
-    def commit(self, d:int, k:int): ...
-    def save(self, held:list, anchor_hidden:mx.array|None=None)->list: ...
+
+    def prefill(self, prompt_ids: list, ctx: list | None = None): ...
+    def draft(self, feed: list, n: int, step: int = 0, anchor_hidden: mx.array | None = None) -> list | mx.array: ...
+    def draft_logprobs(self) -> mx.array | None: ...
+    def commit(self, d: int, k: int): ...
+    def save(self, held: list, anchor_hidden: mx.array | None = None) -> list: ...
     def close(self): ...
+
 
 @runtime_checkable
 class DraftProvider(Protocol):
     "A server-lifetime drafter factory: `open` makes the per-request `DraftSource`."
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size:int=2048, grammar=None)->DraftSource: ...
+
+    def open(
+        self,
+        sampler=None,
+        logits_processors=None,
+        target: TargetView | None = None,
+        prefill_step_size: int = 2048,
+        grammar=None,
+    ) -> DraftSource: ...
 
 # %% ../../nbs/05_sources.ipynb #232949f3
 def fork_grammar(grammar):
-    "A fork of the request's grammar for a draft to walk ahead on; None without a grammar or for one that cannot fork (the draft runs free)."
+    """A fork of the request's grammar for a draft to walk ahead on; None without a grammar or for one that cannot fork
+    (the draft runs free)."""
     fork = getattr(grammar, "fork", None)
     return fork() if fork is not None else None
+
 
 def output_layer(model):
     "The layer holding the target's output projection: its `lm_head`, or its token embedding (tied weights)."
     model = text_model(model)
     return getattr(model, "lm_head", None) or model.model.embed_tokens
 
+
 def output_head(model):
     "The target's output projection as a callable: its `lm_head`, or its token embedding used as one (tied weights)."
     layer = output_layer(model)
     return layer.as_linear if layer is text_model(model).model.embed_tokens else layer
 
-def draft_distribution(logits:list, sampler)->mx.array|None:
-    "The `(d, V)` log-distributions `sampler` draws from, one per row of the draft's `logits` (None: no drafts, or a sampler that cannot say)."
-    if not logits or not hasattr(sampler, "logprobs"): return None
+
+def draft_distribution(logits: list, sampler) -> mx.array | None:
+    """The `(d, V)` log-distributions `sampler` draws from, one per row of the draft's `logits` (None: no drafts, or a
+    sampler that cannot say)."""
+    if not logits or not hasattr(sampler, "logprobs"):
+        return None
     lg = mx.concatenate(logits)
     return sampler.logprobs(lg - mx.logsumexp(lg, axis=-1, keepdims=True))
 
 # %% ../../nbs/05_sources.ipynb #b55a8ae3
-def draft_tokens(next_logits,    # next_logits(y): `(1, V)` logits of the next position after the token `y` just drafted (None: the first)
-                 n:int,          # the most tokens to propose
-                 sampler=None,   # the request's sampler (None: greedy)
-                 grammar=None,   # the request's grammar: the loop walks a fork of it
-                 confident=None, # confident(logits): False stops before sampling (a draft model's `p_min`)
-                )->tuple:
-    "The loop every stepping drafter shares: `(tokens, logits)`, up to `n` `(1,)` token ids and the masked logits each was sampled from."
+def draft_tokens(
+    # next_logits(y): `(1, V)` logits of the next position after the token `y` just drafted (None: the first)
+    next_logits,
+    n: int,  # the most tokens to propose
+    sampler=None,  # the request's sampler (None: greedy)
+    grammar=None,  # the request's grammar: the loop walks a fork of it
+    confident=None,  # confident(logits): False stops before sampling (a draft model's `p_min`)
+) -> tuple:
+    """The loop every stepping drafter shares: `(tokens, logits)`, up to `n` `(1,)` token ids and the masked logits each
+    was sampled from."""
     g, y, tokens, logits_seen = fork_grammar(grammar), None, [], []
     for _ in range(n):
         logits = next_logits(y)
-        if g is not None: logits = g.mask(logits)
-        if confident is not None and not confident(logits): break
+        if g is not None:
+            logits = g.mask(logits)
+        if confident is not None and not confident(logits):
+            break
         y = sample_positions(logits, sampler)
-        if g is not None: g.advance(y.item())   # the fork needs the token before it can mask the next position
-        else: mx.async_eval(y)                  # computed while the next position's graph is built
-        tokens.append(y); logits_seen.append(logits)
-        if g is not None and g.terminated: break   # only a stop token could follow
+        if g is not None:
+            g.advance(y.item())  # the fork needs the token before it can mask the next position
+        else:
+            mx.async_eval(y)  # computed while the next position's graph is built
+        tokens.append(y)
+        logits_seen.append(logits)
+        if g is not None and g.terminated:
+            break  # only a stop token could follow
     return tokens, logits_seen
 
 # %% ../../nbs/05_sources.ipynb #cad07ba4
 class NoDraft:
     "A provider whose sources never propose a token (every round is one plain target step)."
+
     tap_layers = None
-    def open(self, sampler=None, logits_processors=None, target=None, prefill_step_size=2048, grammar=None): return self
-    def prefill(self, prompt_ids, ctx=None): pass
-    def draft(self, feed, n, step=0, anchor_hidden=None): return []
-    def commit(self, d, k): pass
-    def save(self, held, anchor_hidden=None): return []
-    def draft_logprobs(self): return None
-    def close(self): pass
+
+    def open(self, sampler=None, logits_processors=None, target=None, prefill_step_size=2048, grammar=None):
+        return self
+
+    def prefill(self, prompt_ids, ctx=None):
+        pass
+
+    def draft(self, feed, n, step=0, anchor_hidden=None):
+        return []
+
+    def commit(self, d, k):
+        pass
+
+    def save(self, held, anchor_hidden=None):
+        return []
+
+    def draft_logprobs(self):
+        return None
+
+    def close(self):
+        pass
 
 # %% ../../nbs/05_sources.ipynb #f544461b
-def _plain_signature(f, drop_self=False)->inspect.Signature:
+def _plain_signature(f, drop_self=False) -> inspect.Signature:
     "`f`'s signature without annotations (and without `self` for a function read off a class)."
     sig = inspect.signature(f)
-    ps = list(sig.parameters.values())[1 if drop_self else 0:]
+    ps = list(sig.parameters.values())[1 if drop_self else 0 :]
     return sig.replace(parameters=[p.replace(annotation=p.empty) for p in ps], return_annotation=sig.empty)
 
-def protocol_mismatches(obj, protocol=DraftSource)->list:
-    "How `obj` differs from `protocol`: a missing attribute, or a method whose parameters (names, kinds, defaults) are not the protocol's; [] if none."
+
+def protocol_mismatches(obj, protocol=DraftSource) -> list:
+    """How `obj` differs from `protocol`: a missing attribute, or a method whose parameters (names, kinds, defaults) are
+    not the protocol's; [] if none."""
     out = [f"no attribute {a!r}" for a in getattr(protocol, "__annotations__", {}) if not hasattr(obj, a)]
     for name, f in vars(protocol).items():
-        if name.startswith("_") or not inspect.isfunction(f): continue
+        if name.startswith("_") or not inspect.isfunction(f):
+            continue
         want, have = _plain_signature(f, drop_self=True), getattr(obj, name, None)
-        if have is None: out.append(f"no method {name}{want}")
-        elif _plain_signature(have) != want: out.append(f"{name}{_plain_signature(have)} should be {name}{want}")
+        if have is None:
+            out.append(f"no method {name}{want}")
+        elif _plain_signature(have) != want:
+            out.append(f"{name}{_plain_signature(have)} should be {name}{want}")
     return out

@@ -23,179 +23,271 @@ from ..tap import arch_name, check_tappable, probe_tap, text_model
 from .base import TargetView, draft_distribution, draft_tokens, output_head, output_layer
 
 # %% ../../nbs/05e_head.ipynb #82af87f1
-def check_head_target(model, tap_layers:list)->list:
+def check_head_target(model, tap_layers: list) -> list:
     "`tap_layers` as ints; a `ValueError` naming the architecture and the reason where a head cannot read `model`."
-    arch, inner, a = arch_name(model), getattr(text_model(model), "model", None), getattr(text_model(model), "args", None)
+    arch, inner, a = (
+        arch_name(model),
+        getattr(text_model(model), "model", None),
+        getattr(text_model(model), "args", None),
+    )
     if not (hasattr(inner, "embed_tokens") and hasattr(inner, "norm")):
-        raise ValueError(f"the draft head cannot read {arch}: it needs the decoder at model.model with embed_tokens and a final norm (mlx-lm's llama-family layout)")
+        raise ValueError(
+            f"the draft head cannot read {arch}: it needs the decoder at model.model with embed_tokens and a final "
+            "norm (mlx-lm's llama-family layout)"
+        )
     if not all(hasattr(a, f) for f in ("num_hidden_layers", "hidden_size", "vocab_size")):
-        raise ValueError(f"the draft head cannot read {arch}: its config has no top-level num_hidden_layers, hidden_size and vocab_size to size a head by")
-    first = spec_cache(model, 2)[0]   # the executor's caches for the target
+        raise ValueError(
+            f"the draft head cannot read {arch}: its config has no top-level num_hidden_layers, hidden_size and "
+            "vocab_size to size a head by"
+        )
+    first = spec_cache(model, 2)[0]  # the executor's caches for the target
     if not hasattr(first, "offset"):
-        raise ValueError(f"the draft head cannot read {arch}: its first layer's cache ({type(first).__name__}) has no offset to keep the head in lockstep")
-    probe_tap(model, tap_layers)   # layers that return more than their hidden state are refused here
+        raise ValueError(
+            f"the draft head cannot read {arch}: its first layer's cache ({type(first).__name__}) has no offset to "
+            "keep the head in lockstep"
+        )
+    probe_tap(model, tap_layers)  # layers that return more than their hidden state are refused here
     return check_tappable(model, tap_layers)
+
 
 @dataclass
 class HeadConfig:
     "The shape of a draft head, and of the target it was trained for (a head fits one target)."
-    tap_layers: list              # target layers whose outputs it reads
-    target_layers: int            # the target's layer count,
-    target_hidden: int            # hidden size
-    vocab_size: int               # and vocabulary
-    hidden_size: int = 128        # the head's own width
+
+    tap_layers: list  # target layers whose outputs it reads
+    target_layers: int  # the target's layer count,
+    target_hidden: int  # hidden size
+    vocab_size: int  # and vocabulary
+    hidden_size: int = 128  # the head's own width
     intermediate_size: int = 256
     num_attention_heads: int = 2
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    draft_vocab: int = 0          # how many tokens it may propose (its `d2t` ids; 0: the whole vocabulary)
+    draft_vocab: int = 0  # how many tokens it may propose (its `d2t` ids; 0: the whole vocabulary)
     model_type: str = "specnb_draft_head"
 
-    def block_args(self)->llama.ModelArgs:
+    def block_args(self) -> llama.ModelArgs:
         "The head's decoder layer, as mlx-lm's llama arguments."
-        return llama.ModelArgs(model_type="llama", hidden_size=self.hidden_size, num_hidden_layers=1, intermediate_size=self.intermediate_size,
-                               num_attention_heads=self.num_attention_heads, rms_norm_eps=self.rms_norm_eps, vocab_size=self.vocab_size,
-                               rope_theta=self.rope_theta)
+        return llama.ModelArgs(
+            model_type="llama",
+            hidden_size=self.hidden_size,
+            num_hidden_layers=1,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            rms_norm_eps=self.rms_norm_eps,
+            vocab_size=self.vocab_size,
+            rope_theta=self.rope_theta,
+        )
 
     @classmethod
-    def for_target(cls, model, tap_layers:list, **kw)->"HeadConfig":
+    def for_target(cls, model, tap_layers: list, **kw) -> "HeadConfig":
         "A config sized for `model` (an mlx-lm model)."
         layers, a = check_head_target(model, tap_layers), text_model(model).args
-        return cls(tap_layers=layers, target_layers=a.num_hidden_layers, target_hidden=a.hidden_size, vocab_size=a.vocab_size, **kw)
+        return cls(
+            tap_layers=layers,
+            target_layers=a.num_hidden_layers,
+            target_hidden=a.hidden_size,
+            vocab_size=a.vocab_size,
+            **kw,
+        )
+
 
 class DraftHead(nn.Module):
-    "One llama decoder layer (mlx-lm's own) over `[feature ; next token's embedding]`; the target's norm and lm-head read it out."
-    def __init__(self, cfg:HeadConfig):
+    """One llama decoder layer (mlx-lm's own) over `[feature ; next token's embedding]`; the target's norm and lm-head
+    read it out."""
+
+    def __init__(self, cfg: HeadConfig):
         super().__init__()
         self.cfg, H, h = cfg, cfg.target_hidden, cfg.hidden_size
-        self.depth = 1   # decoder layers, each with its own cache
-        self.fuse = nn.Linear(len(cfg.tap_layers) * H, h, bias=False)   # the tapped layers' rows → one feature
+        self.depth = 1  # decoder layers, each with its own cache
+        self.fuse = nn.Linear(len(cfg.tap_layers) * H, h, bias=False)  # the tapped layers' rows → one feature
         self.feature_norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
         self.inp = nn.Linear(h + H, h, bias=False)
         self.block = llama.TransformerBlock(cfg.block_args())
-        self.out = nn.Linear(h, H, bias=False)                           # back to the target's width
-        if cfg.draft_vocab:   # the target ids it may propose, in draft order: set by training, saved with the weights, never trained
+        self.out = nn.Linear(h, H, bias=False)  # back to the target's width
+        if (
+            cfg.draft_vocab
+        ):  # the target ids it may propose, in draft order: set by training, saved with the weights, never trained
             self.d2t = mx.arange(cfg.draft_vocab, dtype=mx.int32)
             self.freeze(recurse=False, keys=["d2t"])
 
-    def __call__(self, feature, embedding, mask=None, cache=None)->mx.array:
-        "The next features `(B, T, h)` from features `(B, T, h)` and the embeddings of the tokens after them `(B, T, target_hidden)`."
+    def __call__(self, feature, embedding, mask=None, cache=None) -> mx.array:
+        """The next features `(B, T, h)` from features `(B, T, h)` and the embeddings of the tokens after them `(B, T,
+        target_hidden)`."""
         return self.block(self.inp(mx.concatenate([self.feature_norm(feature), embedding], axis=-1)), mask, cache)
 
-    def vocab_rows(self, model)->mx.array|None:
-        "The rows of `model`'s output projection for the draft vocabulary, float32 `(draft_vocab, H)` (None: the head drafts over all of it)."
-        if not self.cfg.draft_vocab: return None
+    def vocab_rows(self, model) -> mx.array | None:
+        """The rows of `model`'s output projection for the draft vocabulary, float32 `(draft_vocab, H)` (None: the head
+        drafts over all of it)."""
+        if not self.cfg.draft_vocab:
+            return None
         layer, ids = output_layer(model), self.d2t
-        if hasattr(layer, "scales"):   # a quantized lm-head or tied embedding: unpack just these rows
+        if hasattr(layer, "scales"):  # a quantized lm-head or tied embedding: unpack just these rows
             biases = layer.biases[ids] if "biases" in layer else None
-            return mx.dequantize(layer.weight[ids], layer.scales[ids], biases, layer.group_size, layer.bits, dtype=mx.float32)
+            return mx.dequantize(
+                layer.weight[ids], layer.scales[ids], biases, layer.group_size, layer.bits, dtype=mx.float32
+            )
         return layer.weight[ids].astype(mx.float32)
 
-    def logits(self, model, a, rows=None)->mx.array:
-        "Logits of head outputs `a` through `model`'s final norm and lm-head: over the draft vocabulary when given its `rows`."
+    def logits(self, model, a, rows=None) -> mx.array:
+        """Logits of head outputs `a` through `model`'s final norm and lm-head: over the draft vocabulary when given its
+        `rows`."""
         x = text_model(model).model.norm(self.out(a))
         return output_head(model)(x) if rows is None else x @ rows.T
 
-    def readout(self, model, a, rows=None)->mx.array:
-        "Full-vocabulary logits of head outputs `a`; with a draft vocabulary (its `rows`), every other token at -inf (never drafted)."
+    def readout(self, model, a, rows=None) -> mx.array:
+        """Full-vocabulary logits of head outputs `a`; with a draft vocabulary (its `rows`), every other token at -inf
+        (never drafted)."""
         logits = self.logits(model, a, rows)
-        if rows is None: return logits
+        if rows is None:
+            return logits
         full = mx.full((*logits.shape[:-1], self.cfg.vocab_size), -mx.inf)
         full[..., self.d2t] = logits
         return full
 
 # %% ../../nbs/05e_head.ipynb #da9b14ce
-def save_head(head:DraftHead, path, dtype=mx.float16):
+def save_head(head: DraftHead, path, dtype=mx.float16):
     "Write `config.json` and `model.safetensors` (weights cast to `dtype`) into the folder `path`."
-    path = Path(path); path.mkdir(parents=True, exist_ok=True)
-    (path/"config.json").write_text(json.dumps(asdict(head.cfg), indent=1))
-    mx.save_safetensors(str(path/"model.safetensors"), {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in tree_flatten(head.parameters())}, metadata={"format": "mlx"})
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(asdict(head.cfg), indent=1))
+    mx.save_safetensors(
+        str(path / "model.safetensors"),
+        {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in tree_flatten(head.parameters())},
+        metadata={"format": "mlx"},
+    )
 
-def load_head(path=None)->DraftHead:
+
+def load_head(path=None) -> DraftHead:
     "The head in the folder `path` (default: the one trained for the bundled target), in float32."
     path = Path(path) if path is not None else bundled_dir("head")
-    if not (path/"config.json").is_file(): raise ValueError(f"no draft head at {path}: expected config.json and model.safetensors")
-    cfg = json.loads((path/"config.json").read_text())
+    if not (path / "config.json").is_file():
+        raise ValueError(f"no draft head at {path}: expected config.json and model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
     if cfg.get("model_type") != HeadConfig.model_type:
         raise ValueError(f"{path} holds a {cfg.get('model_type')!r}, not a draft head ({HeadConfig.model_type!r})")
     head = DraftHead(HeadConfig(**cfg))
-    head.load_weights(str(path/"model.safetensors"))   # strict: every weight present, no stray ones
+    head.load_weights(str(path / "model.safetensors"))  # strict: every weight present, no stray ones
     head.set_dtype(mx.float32)
     mx.eval(head.parameters())
     return head
 
-def random_head(model, tap_layers:list, seed:int=0, **kw)->DraftHead:
-    "An untrained head for `model` (tests): same seed, same weights (and, with `draft_vocab`, the same random draft vocabulary)."
+
+def random_head(model, tap_layers: list, seed: int = 0, **kw) -> DraftHead:
+    """An untrained head for `model` (tests): same seed, same weights (and, with `draft_vocab`, the same random draft
+    vocabulary)."""
     mx.random.seed(seed)
     head = DraftHead(HeadConfig.for_target(model, tap_layers, **kw))
-    if head.cfg.draft_vocab: head.d2t = mx.sort(mx.random.permutation(head.cfg.vocab_size)[:head.cfg.draft_vocab]).astype(mx.int32)
+    if head.cfg.draft_vocab:
+        head.d2t = mx.sort(mx.random.permutation(head.cfg.vocab_size)[: head.cfg.draft_vocab]).astype(mx.int32)
     mx.eval(head.parameters())
     return head
 
 # %% ../../nbs/05e_head.ipynb #bb043431
 class HeadCache(KVCache):
-    "The head's KV cache (its first layer's; `more` holds any further layers'); `row` holds the target row of the newest position while its entry waits for the token after it."
-    def __init__(self, layers:int=1): super().__init__(); self.row, self.more = None, [KVCache() for _ in range(layers - 1)]
+    """The head's KV cache (its first layer's; `more` holds any further layers'); `row` holds the target row of the
+    newest position while its entry waits for the token after it."""
 
-    def trim(self, n:int)->int:
-        for c in self.more: c.trim(n)
+    def __init__(self, layers: int = 1):
+        super().__init__()
+        self.row, self.more = None, [KVCache() for _ in range(layers - 1)]
+
+    def trim(self, n: int) -> int:
+        for c in self.more:
+            c.trim(n)
         n = super().trim(n)
-        # the newest position's row went with its token: the head goes on one position short (drafts change, output never)
-        if n: self.row = None
+        # the newest position's row went with its token: the head goes on one position short (drafts change, output
+        # never)
+        if n:
+            self.row = None
         return n
 
+
 class HeadSource:
-    "Per-request state of a drafter on the target's hidden states (this head, or a published one: `fuse`, `__call__`, `readout`, `vocab_rows`, `depth`): its cache, in lockstep with the target's."
-    def __init__(self, head:DraftHead, target:TargetView, sampler=None, grammar=None,
-                 tap_layers:list|None=None): # the target layers it reads (default: the head's own)
+    """Per-request state of a drafter on the target's hidden states (this head, or a published one: `fuse`, `__call__`,
+    `readout`, `vocab_rows`, `depth`): its cache, in lockstep with the target's."""
+
+    def __init__(
+        self, head: DraftHead, target: TargetView, sampler=None, grammar=None, tap_layers: list | None = None
+    ):  # the target layers it reads (default: the head's own)
         self.head, self.target, self.sampler, self.grammar = head, target, sampler, grammar
         self.tap_layers = tap_layers or head.cfg.tap_layers
-        self.embed = head.embed_tokens if "embed_tokens" in head else text_model(target.model).model.embed_tokens   # its own, else the target's
+        self.embed = (
+            head.embed_tokens if "embed_tokens" in head else text_model(target.model).model.embed_tokens
+        )  # its own, else the target's
         self.rows = head.vocab_rows(target.model)
-        self.cache, self.tokens, self.last, self.newest, self.out, self.logits, self.skipped = HeadCache(head.depth), [], None, None, [], [], None
+        self.cache, self.tokens, self.last, self.newest, self.out, self.logits, self.skipped = (
+            HeadCache(head.depth),
+            [],
+            None,
+            None,
+            [],
+            [],
+            None,
+        )
 
     def prefill(self, prompt_ids, ctx=None):
-        "Note the prompt (its rows come with the first draft); `ctx`: a saved `HeadCache` holding the context before it."
+        """Note the prompt (its rows come with the first draft); `ctx`: a saved `HeadCache` holding the context before
+        it."""
         self.tokens = list(prompt_ids)[:-1]
-        if ctx: self.cache = ctx[0]
+        if ctx:
+            self.cache = ctx[0]
 
     def note(self, feed):
         "The tokens of `feed` join the context the head pairs target rows with."
         self.tokens += [int(t) for t in feed]
 
-    def unread(self, rows, tokens)->tuple:
-        "`(rows, ids)`: the target rows the head reads next — a saved context's newest row first — and the tokens after them (row i pairs with `tokens`' token at i + 1); `(None, None)`: none."
-        if self.cache.row is not None:   # a saved context's newest row: its token is the first of these
+    def unread(self, rows, tokens) -> tuple:
+        """`(rows, ids)`: the target rows the head reads next — a saved context's newest row first — and the tokens
+        after them (row i pairs with `tokens`' token at i + 1); `(None, None)`: none."""
+        if self.cache.row is not None:  # a saved context's newest row: its token is the first of these
             rows = self.cache.row if rows is None else mx.concatenate([self.cache.row, rows])
             self.cache.row = None
-        if rows is None or rows.shape[0] == 0: return None, None
+        if rows is None or rows.shape[0] == 0:
+            return None, None
         m = rows.shape[0]
-        if m > len(tokens): raise RuntimeError(f"{m} hidden rows but only {len(tokens)} tokens to pair them with")
+        if m > len(tokens):
+            raise RuntimeError(f"{m} hidden rows but only {len(tokens)} tokens to pair them with")
         return rows, tokens[-m:]
 
     def _read(self, rows, tokens):
         "Append one head entry per kept target row (`unread`); returns the newest output."
         rows, ids = self.unread(rows, tokens)
-        if rows is None: return self.last
-        x = self.head(self.head.fuse(rows)[None], self.embed(mx.array([ids], mx.uint32)), cache=self.cache,
-                      mask=create_attention_mask(rows[None], self.cache))
+        if rows is None:
+            return self.last
+        x = self.head(
+            self.head.fuse(rows)[None],
+            self.embed(mx.array([ids], mx.uint32)),
+            cache=self.cache,
+            mask=create_attention_mask(rows[None], self.cache),
+        )
         return x[:, -1:]
 
     def check_lockstep(self):
-        "The head holds one entry per target position, except the context it never saw (a follow-up turn's cached prefix)."
+        """The head holds one entry per target position, except the context it never saw (a follow-up turn's cached
+        prefix)."""
         t = self.target.cache[0].offset
-        if self.skipped is None: self.skipped = t - self.cache.offset
+        if self.skipped is None:
+            self.skipped = t - self.cache.offset
         if self.cache.offset + self.skipped != t:
-            raise RuntimeError(f"draft head out of lockstep: {self.cache.offset} entries (+{self.skipped} unseen) for a target cache of {t}")
+            raise RuntimeError(
+                f"draft head out of lockstep: {self.cache.offset} entries (+{self.skipped} unseen) for a target cache "
+                f"of {t}"
+            )
 
     def readout(self, a):
         "Full-vocabulary logits of head outputs `a` (a token the drafter cannot propose at -inf)."
         return self.head.readout(self.target.model, a, self.rows)
 
     def _step(self, y):
-        "`(1, V)` logits of the next draft position: a head step on the token `y` just drafted (None: the first position, read from `last`)."
-        if y is None: self.newest = self.last
-        else: self.newest = self.head(self.newest, self.embed(y[None]), cache=self.cache)   # a speculative entry, on the head's own output
+        """`(1, V)` logits of the next draft position: a head step on the token `y` just drafted (None: the first
+        position, read from `last`)."""
+        if y is None:
+            self.newest = self.last
+        else:
+            self.newest = self.head(
+                self.newest, self.embed(y[None]), cache=self.cache
+            )  # a speculative entry, on the head's own output
         return self.readout(self.newest[:, -1])
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
@@ -203,35 +295,43 @@ class HeadSource:
         self.last = self._read(anchor_hidden, self.tokens)
         self.check_lockstep()
         self.out, self.logits = [], []
-        if n == 0 or self.last is None: return []   # nothing read yet: a plain round
+        if n == 0 or self.last is None:
+            return []  # nothing read yet: a plain round
         start = self.cache.offset
         self.out, self.logits = draft_tokens(self._step, n, self.sampler, self.grammar)
-        self.cache.trim(self.cache.offset - start)   # speculative entries out: the kept rows come next round
-        return mx.concatenate(self.out)   # lazy: evaluated together with the verify forward
+        self.cache.trim(self.cache.offset - start)  # speculative entries out: the kept rows come next round
+        return mx.concatenate(self.out)  # lazy: evaluated together with the verify forward
 
     def commit(self, d, k):
         # the accepted drafts join the context; the last one, if all were kept, comes back in the feed
-        if min(k, d - 1) > 0: self.tokens += mx.concatenate(self.out[: min(k, d - 1)]).tolist()
+        if min(k, d - 1) > 0:
+            self.tokens += mx.concatenate(self.out[: min(k, d - 1)]).tolist()
 
     def draft_logprobs(self):
         "The distributions the last drafts were sampled from (lazy), for the rejection rule."
         return draft_distribution(self.logits, self.sampler)
 
-    def save(self, held, anchor_hidden=None)->list:
-        "Hand over the head's cache for the target's `held` tokens: read the kept rows it has not (all but the newest, kept as `row`)."
+    def save(self, held, anchor_hidden=None) -> list:
+        """Hand over the head's cache for the target's `held` tokens: read the kept rows it has not (all but the newest,
+        kept as `row`)."""
         cache, rows = self.cache, anchor_hidden
         if rows is not None and rows.shape[0]:
-            self._read(rows[:-1], held)   # (reading a still-waiting saved row first)
+            self._read(rows[:-1], held)  # (reading a still-waiting saved row first)
             cache.row = rows[-1:]
         mx.eval([a for c in (cache, *cache.more) for a in (c.keys, c.values, getattr(c, "row", None)) if a is not None])
         self.cache = self.tokens = self.last = None
         return [cache]
 
-    def close(self): self.cache = self.tokens = self.last = None
+    def close(self):
+        self.cache = self.tokens = self.last = None
+
 
 class HeadProvider:
     "Drafting with a trained head on the target's hidden states; each request gets a `HeadSource`."
-    def __init__(self, head:DraftHead|str|Path|None=None): # a head, a folder holding one, or None: the one trained for the bundled target
+
+    def __init__(
+        self, head: DraftHead | str | Path | None = None
+    ):  # a head, a folder holding one, or None: the one trained for the bundled target
         self.head = head if isinstance(head, DraftHead) else load_head(head)
 
     def check(self, model):
@@ -241,10 +341,22 @@ class HeadProvider:
         want = (c.target_layers, c.target_hidden, c.vocab_size)
         have = tuple(getattr(a, f, None) for f in ("num_hidden_layers", "hidden_size", "vocab_size"))
         if want != have:
-            raise ValueError(f"this draft head was trained for a target with {want[0]} layers, hidden size {want[1]} and a {want[2]}-token vocabulary; "
-                             f"the target has {have[0]} layers, hidden size {have[1]} and {have[2]} tokens: train a head for it (the head-training notebook)")
+            raise ValueError(
+                f"this draft head was trained for a target with {want[0]} layers, hidden size {want[1]} and a "
+                f"{want[2]}-token vocabulary; "
+                f"the target has {have[0]} layers, hidden size {have[1]} and {have[2]} tokens: train a head for it "
+                "(the head-training notebook)"
+            )
 
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->HeadSource:
-        if target is None: raise ValueError("the head source reads the target: open it with target=TargetView(model, cache)")
+    def open(
+        self,
+        sampler=None,
+        logits_processors=None,
+        target: TargetView | None = None,
+        prefill_step_size=2048,
+        grammar=None,
+    ) -> HeadSource:
+        if target is None:
+            raise ValueError("the head source reads the target: open it with target=TargetView(model, cache)")
         self.check(target.model)
         return HeadSource(self.head, target, sampler, grammar)

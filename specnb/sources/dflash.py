@@ -22,107 +22,178 @@ from .chain import check_head_target
 from ..tap import text_model
 
 # %% ../../nbs/05q_dflash.ipynb #68687d0e
-def default_layer_ids(target_layers:int, draft_layers:int)->list:
-    "The target layers a DFlash drafter `draft_layers` deep reads when its config names none: spread over layers 1..L-3 (z-lab's rule)."
-    if draft_layers == 1: return [target_layers // 2]
+def default_layer_ids(target_layers: int, draft_layers: int) -> list:
+    """The target layers a DFlash drafter `draft_layers` deep reads when its config names none: spread over layers
+    1..L-3 (z-lab's rule)."""
+    if draft_layers == 1:
+        return [target_layers // 2]
     start, end = 1, target_layers - 3
     return [round(start + i * (end - start) / (draft_layers - 1)) for i in range(draft_layers)]
+
 
 @dataclass
 class DFlashSpec:
     "What a published DFlash checkpoint says, in one shape whatever its config's age."
-    layer: dict                         # its decoder layers' config (Qwen3): hidden_size and vocab_size are the target's
-    target_layers: int                  # num_target_layers: the depth of the target it was trained for
-    layer_ids: list                     # the target layers whose OUTPUTS it reads (HF `hidden_states[id + 1]`)
-    block_size: int                     # positions per forward: the bonus token and block_size - 1 drafts
-    mask_token_id: int                  # the token filling the block after the bonus
-    embedding_scale: float = 1.0        # the block's target embeddings are multiplied by it
-    output_multiplier: float = 1.0      # the logits are multiplied by it,
-    softcap: float | None = None        # then soft-capped
-    layer_types: list = field(default_factory=list)   # per layer: full_attention or sliding_attention
+
+    layer: dict  # its decoder layers' config (Qwen3): hidden_size and vocab_size are the target's
+    target_layers: int  # num_target_layers: the depth of the target it was trained for
+    layer_ids: list  # the target layers whose OUTPUTS it reads (HF `hidden_states[id + 1]`)
+    block_size: int  # positions per forward: the bonus token and block_size - 1 drafts
+    mask_token_id: int  # the token filling the block after the bonus
+    embedding_scale: float = 1.0  # the block's target embeddings are multiplied by it
+    output_multiplier: float = 1.0  # the logits are multiplied by it,
+    softcap: float | None = None  # then soft-capped
+    layer_types: list = field(default_factory=list)  # per layer: full_attention or sliding_attention
     sliding_window: int | None = None
-    is_causal: bool | None = None       # None: causal inside the block on sliding layers only
-    context: int | None = None          # draft_window_size: attend to at most this many newest context positions (None: all)
+    is_causal: bool | None = None  # None: causal inside the block on sliding layers only
+    context: int | None = None  # draft_window_size: attend to at most this many newest context positions (None: all)
 
-    def window(self, i:int)->int|None: return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
-    def causal(self, i:int)->bool: return self.layer_types[i] == "sliding_attention" if self.is_causal is None else bool(self.is_causal)
+    def window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
-_OWN = ("architectures", "num_target_layers", "dflash_config", "block_size", "mask_token_id", "target_layer_ids", "is_causal", "dflash_query_causal",
-        "input_embedding_scale", "output_multiplier", "final_logit_softcapping", "draft_window_size", "auto_map")   # DFlash's fields, not its layers'
+    def causal(self, i: int) -> bool:
+        return self.layer_types[i] == "sliding_attention" if self.is_causal is None else bool(self.is_causal)
+
+
+_OWN = (
+    "architectures",
+    "num_target_layers",
+    "dflash_config",
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "is_causal",
+    "dflash_query_causal",
+    "input_embedding_scale",
+    "output_multiplier",
+    "final_logit_softcapping",
+    "draft_window_size",
+    "auto_map",
+)  # DFlash's fields, not its layers'
 _DFLASH2 = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-def read_dflash(cfg:dict)->DFlashSpec:
+
+
+def read_dflash(cfg: dict) -> DFlashSpec:
     "The `DFlashSpec` of a checkpoint's `config.json` contents; a `ValueError` naming what it cannot read."
     dc, archs = cfg.get("dflash_config") or {}, cfg.get("architectures") or []
     if "DFlash2DraftModel" in archs or any(k in dc or k in cfg for k in _DFLASH2):
-        raise ValueError("DFlash2 checkpoint (DFlash2DraftModel: dynamic convolutions and a candidate selector): specnb reads DFlash (DFlashDraftModel) checkpoints, not DFlash2")
+        raise ValueError(
+            "DFlash2 checkpoint (DFlash2DraftModel: dynamic convolutions and a candidate selector): specnb reads "
+            "DFlash (DFlashDraftModel) checkpoints, not DFlash2"
+        )
     if dc.get("attention_sink_bias") or cfg.get("attention_sink_bias"):
         raise ValueError("DFlash checkpoint: attention_sink_bias=True (attention sinks) is not read by specnb")
     if cfg.get("speculators_model_type") == "dflash":
-        raise ValueError("speculators' DFlash layout (speculators_model_type: dflash, with its own draft vocabulary): specnb reads z-lab's layout (architectures: DFlashDraftModel)")
-    if "DFlashDraftModel" not in archs: raise ValueError(f"not a DFlash checkpoint: architectures {archs} (z-lab's layout says DFlashDraftModel)")
-    get = lambda name, default=None: dc.get(name, cfg.get(name, default))   # newer checkpoints nest these in dflash_config
+        raise ValueError(
+            "speculators' DFlash layout (speculators_model_type: dflash, with its own draft vocabulary): specnb reads "
+            "z-lab's layout (architectures: DFlashDraftModel)"
+        )
+    if "DFlashDraftModel" not in archs:
+        raise ValueError(f"not a DFlash checkpoint: architectures {archs} (z-lab's layout says DFlashDraftModel)")
+    get = lambda name, default=None: dc.get(
+        name, cfg.get(name, default)
+    )  # newer checkpoints nest these in dflash_config
     n, L = cfg["num_hidden_layers"], cfg["num_target_layers"]
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None   # as transformers' Qwen3Config reads them
-    layer_types = cfg.get("layer_types") or ["sliding_attention" if window and i >= cfg.get("max_window_layers", 28) else "full_attention" for i in range(n)]
-    if len(layer_types) != n: raise ValueError(f"DFlash checkpoint: {len(layer_types)} layer_types for num_hidden_layers {n}")
+    window = (
+        cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    )  # as transformers' Qwen3Config reads them
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if window and i >= cfg.get("max_window_layers", 28) else "full_attention" for i in range(n)
+    ]
+    if len(layer_types) != n:
+        raise ValueError(f"DFlash checkpoint: {len(layer_types)} layer_types for num_hidden_layers {n}")
     cap = get("final_logit_softcapping")
-    return DFlashSpec({k: v for k, v in cfg.items() if k not in _OWN}, L, list(get("target_layer_ids") or default_layer_ids(L, n)), int(get("block_size", 16)), int(get("mask_token_id", 0)),
-                      float(get("input_embedding_scale", 1.0)), float(get("output_multiplier", 1.0)), float(cap) if cap else None,
-                      list(layer_types), window, dc.get("causal", cfg.get("is_causal", cfg.get("dflash_query_causal"))),
-                      get("draft_window_size"))
+    return DFlashSpec(
+        {k: v for k, v in cfg.items() if k not in _OWN},
+        L,
+        list(get("target_layer_ids") or default_layer_ids(L, n)),
+        int(get("block_size", 16)),
+        int(get("mask_token_id", 0)),
+        float(get("input_embedding_scale", 1.0)),
+        float(get("output_multiplier", 1.0)),
+        float(cap) if cap else None,
+        list(layer_types),
+        window,
+        dc.get("causal", cfg.get("is_causal", cfg.get("dflash_query_causal"))),
+        get("draft_window_size"),
+    )
 
-def is_dflash(cfg:dict|None)->bool:
-    "Does this config describe a DFlash checkpoint (any generation: a DFlash2 one is recognised, then refused by `read_dflash`)?"
+
+def is_dflash(cfg: dict | None) -> bool:
+    """Does this config describe a DFlash checkpoint (any generation: a DFlash2 one is recognised, then refused by
+    `read_dflash`)?"""
     cfg = cfg or {}
-    return bool({"DFlashDraftModel", "DFlash2DraftModel", "DFlashSpeculator"} & set(cfg.get("architectures") or [])) or "dflash_config" in cfg \
+    return (
+        bool({"DFlashDraftModel", "DFlash2DraftModel", "DFlashSpeculator"} & set(cfg.get("architectures") or []))
+        or "dflash_config" in cfg
         or cfg.get("speculators_model_type") == "dflash"
+    )
 
 # %% ../../nbs/05q_dflash.ipynb #624dc051
-def _rope(a:dict):
-    "The drafter's rotary embedding from its config (old `rope_theta`/`rope_scaling`, or transformers 5's `rope_parameters`)."
+def _rope(a: dict):
+    """The drafter's rotary embedding from its config (old `rope_theta`/`rope_scaling`, or transformers 5's
+    `rope_parameters`)."""
     p = a.get("rope_parameters") or {}
     scaling = a.get("rope_scaling") or (p if p.get("rope_type", "default") != "default" else None)
-    return initialize_rope(a.get("head_dim") or a["hidden_size"] // a["num_attention_heads"], base=a.get("rope_theta") or p.get("rope_theta", 10000.0),
-                           traditional=not a.get("rope_is_neox_style", True), scaling_config=scaling, max_position_embeddings=a.get("max_position_embeddings"))
+    return initialize_rope(
+        a.get("head_dim") or a["hidden_size"] // a["num_attention_heads"],
+        base=a.get("rope_theta") or p.get("rope_theta", 10000.0),
+        traditional=not a.get("rope_is_neox_style", True),
+        scaling_config=scaling,
+        max_position_embeddings=a.get("max_position_embeddings"),
+    )
+
 
 class DFlashAttention(nn.Module):
-    "Queries from the block only; keys and values from the cached context features and from the block, attended across both."
-    def __init__(self, a:dict, window:int|None, causal:bool):
+    """Queries from the block only; keys and values from the cached context features and from the block, attended across
+    both."""
+
+    def __init__(self, a: dict, window: int | None, causal: bool):
         super().__init__()
         H, self.nh, self.nkv = a["hidden_size"], a["num_attention_heads"], a["num_key_value_heads"]
         hd, bias = a.get("head_dim") or H // self.nh, a.get("attention_bias", False)
-        self.scale, self.window, self.causal = hd ** -0.5, window, causal
+        self.scale, self.window, self.causal = hd**-0.5, window, causal
         self.q_proj, self.k_proj = nn.Linear(H, self.nh * hd, bias=bias), nn.Linear(H, self.nkv * hd, bias=bias)
         self.v_proj, self.o_proj = nn.Linear(H, self.nkv * hd, bias=bias), nn.Linear(self.nh * hd, H, bias=bias)
         self.q_norm, self.k_norm = nn.RMSNorm(hd, eps=a["rms_norm_eps"]), nn.RMSNorm(hd, eps=a["rms_norm_eps"])
 
-    def kv(self, x, rope, offset:int)->tuple:
+    def kv(self, x, rope, offset: int) -> tuple:
         "Keys (normed, rotated from position `offset`) and values of `x` `(1, L, H)`."
         B, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.nkv, -1)).transpose(0, 2, 1, 3)
         return rope(k, offset=offset), self.v_proj(x).reshape(B, L, self.nkv, -1).transpose(0, 2, 1, 3)
 
-    def mask(self, S:int, L:int)->mx.array|None:
-        "Which of S context keys (the positions right before the block) and L block keys each block query sees; None: all of them."
-        if not (self.causal or self.window): return None
+    def mask(self, S: int, L: int) -> mx.array | None:
+        """Which of S context keys (the positions right before the block) and L block keys each block query sees; None:
+        all of them."""
+        if not (self.causal or self.window):
+            return None
         q, k = mx.arange(L)[:, None], mx.arange(-S, L)[None]
         see = k <= q if self.causal else mx.ones((L, S + L), mx.bool_)
-        if self.window: see = see & (q - k < self.window)
-        if self.window and not self.causal: see = see & (k - q < self.window)
+        if self.window:
+            see = see & (q - k < self.window)
+        if self.window and not self.causal:
+            see = see & (k - q < self.window)
         return see
 
-    def __call__(self, x, rope, cache:KVCache, start:int, context:int|None=None)->mx.array:
+    def __call__(self, x, rope, cache: KVCache, start: int, context: int | None = None) -> mx.array:
         B, L, _ = x.shape
         q = rope(self.q_norm(self.q_proj(x).reshape(B, L, self.nh, -1)).transpose(0, 2, 1, 3), offset=start)
         k, v = self.kv(x, rope, start)
         S = cache.offset if context is None else min(cache.offset, context)
-        if S: k, v = (mx.concatenate([c[..., cache.offset - S:cache.offset, :], b], axis=2) for c, b in ((cache.keys, k), (cache.values, v)))
+        if S:
+            k, v = (
+                mx.concatenate([c[..., cache.offset - S : cache.offset, :], b], axis=2)
+                for c, b in ((cache.keys, k), (cache.values, v))
+            )
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=self.mask(S, L))
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
+
 class DFlashLayer(nn.Module):
     "A Qwen3 decoder layer whose attention also reads the context."
-    def __init__(self, a:dict, window:int|None, causal:bool):
+
+    def __init__(self, a: dict, window: int | None, causal: bool):
         super().__init__()
         self.self_attn, self.mlp = DFlashAttention(a, window, causal), MLP(a["hidden_size"], a["intermediate_size"])
         self.input_layernorm = nn.RMSNorm(a["hidden_size"], eps=a["rms_norm_eps"])
@@ -132,156 +203,258 @@ class DFlashLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), rope, cache, start, context)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+
 class DFlash(nn.Module):
-    "A DFlash block drafter: `fc` + `hidden_norm` turn tapped target rows into context features; its layers draft a whole block over them."
-    def __init__(self, spec:DFlashSpec, embed:bool=False): # embed: it stores its own token embedding (else it borrows the target's)
+    """A DFlash block drafter: `fc` + `hidden_norm` turn tapped target rows into context features; its layers draft a
+    whole block over them."""
+
+    def __init__(
+        self, spec: DFlashSpec, embed: bool = False
+    ):  # embed: it stores its own token embedding (else it borrows the target's)
         super().__init__()
         a, self.spec = spec.layer, spec
-        if embed: self.embed_tokens = nn.Embedding(a["vocab_size"], a["hidden_size"])
+        if embed:
+            self.embed_tokens = nn.Embedding(a["vocab_size"], a["hidden_size"])
         H, eps = a["hidden_size"], a["rms_norm_eps"]
         self.fc, self.hidden_norm = nn.Linear(len(spec.layer_ids) * H, H, bias=False), nn.RMSNorm(H, eps=eps)
         self.layers = [DFlashLayer(a, spec.window(i), spec.causal(i)) for i in range(a["num_hidden_layers"])]
         self.norm, self.rope = nn.RMSNorm(H, eps=eps), _rope(a)
 
-    def caches(self)->list: return [KVCache() for _ in self.layers]
+    def caches(self) -> list:
+        return [KVCache() for _ in self.layers]
 
-    def extend(self, rows, caches:list, offset:int):
-        "Append context features of target rows `(1, m, len(layer_ids) * H)` (positions `offset`...) to every layer's cache."
+    def extend(self, rows, caches: list, offset: int):
+        """Append context features of target rows `(1, m, len(layer_ids) * H)` (positions `offset`...) to every layer's
+        cache."""
         c = self.hidden_norm(self.fc(rows))
-        for layer, cache in zip(self.layers, caches): cache.update_and_fetch(*layer.self_attn.kv(c, self.rope, offset))
+        for layer, cache in zip(self.layers, caches):
+            cache.update_and_fetch(*layer.self_attn.kv(c, self.rope, offset))
 
-    def __call__(self, x, caches:list, start:int, context:int|None=None)->mx.array:
-        "The normed hidden states of block embeddings `x` `(1, L, H)` at positions `start`...; `context`: attend to at most that many newest context positions."
-        for layer, cache in zip(self.layers, caches): x = layer(x, self.rope, cache, start, context)
+    def __call__(self, x, caches: list, start: int, context: int | None = None) -> mx.array:
+        """The normed hidden states of block embeddings `x` `(1, L, H)` at positions `start`...; `context`: attend to at
+        most that many newest context positions."""
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, self.rope, cache, start, context)
         return self.norm(x)
 
-    def logits(self, h, head)->mx.array:
+    def logits(self, h, head) -> mx.array:
         "Logits of hidden states `h` through the target's output `head`, scaled and soft-capped as the checkpoint says."
         logits = head(h) * self.spec.output_multiplier if self.spec.output_multiplier != 1.0 else head(h)
         return mx.tanh(logits / self.spec.softcap) * self.spec.softcap if self.spec.softcap else logits
 
 # %% ../../nbs/05q_dflash.ipynb #9134b8bf
-def load_dflash(path)->DFlash:
+def load_dflash(path) -> DFlash:
     "The DFlash drafter in the folder (or hub repository) `path`, its weights loaded strictly."
+
     def empty(cfg, weights):
-        return DFlash(read_dflash(cfg), embed="embed_tokens.weight" in weights)   # its own embedding, if it stores one
+        return DFlash(read_dflash(cfg), embed="embed_tokens.weight" in weights)  # its own embedding, if it stores one
+
     return read_checkpoint(path, empty, rename={"model.": ""}, drop=("rotary_emb.inv_freq",))
 
-def dflash_config(spec:DFlashSpec)->dict:
+
+def dflash_config(spec: DFlashSpec) -> dict:
     "`spec` as a `config.json` in z-lab's layout (a Qwen3 config, `num_target_layers`, `dflash_config`)."
     dc = {"target_layer_ids": spec.layer_ids, "mask_token_id": spec.mask_token_id, "block_size": spec.block_size}
-    if spec.embedding_scale != 1.0: dc["input_embedding_scale"] = spec.embedding_scale
-    if spec.output_multiplier != 1.0: dc["output_multiplier"] = spec.output_multiplier
-    if spec.softcap: dc["final_logit_softcapping"] = spec.softcap
-    if spec.is_causal is not None: dc["causal"] = spec.is_causal
-    if spec.context: dc["draft_window_size"] = spec.context
-    return {**spec.layer, "model_type": "qwen3", "architectures": ["DFlashDraftModel"], "num_target_layers": spec.target_layers,
-            "block_size": spec.block_size, "layer_types": spec.layer_types, "sliding_window": spec.sliding_window,
-            "use_sliding_window": spec.sliding_window is not None, "dflash_config": dc,
-            **({} if spec.is_causal is None else {"is_causal": spec.is_causal})}
+    if spec.embedding_scale != 1.0:
+        dc["input_embedding_scale"] = spec.embedding_scale
+    if spec.output_multiplier != 1.0:
+        dc["output_multiplier"] = spec.output_multiplier
+    if spec.softcap:
+        dc["final_logit_softcapping"] = spec.softcap
+    if spec.is_causal is not None:
+        dc["causal"] = spec.is_causal
+    if spec.context:
+        dc["draft_window_size"] = spec.context
+    return {
+        **spec.layer,
+        "model_type": "qwen3",
+        "architectures": ["DFlashDraftModel"],
+        "num_target_layers": spec.target_layers,
+        "block_size": spec.block_size,
+        "layer_types": spec.layer_types,
+        "sliding_window": spec.sliding_window,
+        "use_sliding_window": spec.sliding_window is not None,
+        "dflash_config": dc,
+        **({} if spec.is_causal is None else {"is_causal": spec.is_causal}),
+    }
 
-def save_dflash(drafter:DFlash, path, dtype=mx.bfloat16):
+
+def save_dflash(drafter: DFlash, path, dtype=mx.bfloat16):
     "Write `drafter` into the folder `path` in z-lab's layout (floating weights cast to `dtype`)."
     write_checkpoint(path, dflash_config(drafter.spec), drafter, dtype)
 
-def random_dflash(model, layer_ids:list|None=None, block_size:int=8, layers:int=1, heads:int=4, seed:int=0, **kw)->DFlash:
-    "An untrained DFlash drafter as wide as `model` (an mlx-lm model), for tests: same seed, same weights; `kw` overrides spec fields."
+
+def random_dflash(
+    model, layer_ids: list | None = None, block_size: int = 8, layers: int = 1, heads: int = 4, seed: int = 0, **kw
+) -> DFlash:
+    """An untrained DFlash drafter as wide as `model` (an mlx-lm model), for tests: same seed, same weights; `kw`
+    overrides spec fields."""
     a = text_model(model).args
-    layer = dict(model_type="qwen3", hidden_size=a.hidden_size, intermediate_size=2 * a.hidden_size, num_hidden_layers=layers, num_attention_heads=heads,
-                 num_key_value_heads=heads, head_dim=a.hidden_size // heads, rms_norm_eps=1e-6, vocab_size=a.vocab_size, rope_theta=10000.0,
-                 max_position_embeddings=4096)
+    layer = dict(
+        model_type="qwen3",
+        hidden_size=a.hidden_size,
+        intermediate_size=2 * a.hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=a.hidden_size // heads,
+        rms_norm_eps=1e-6,
+        vocab_size=a.vocab_size,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+    )
     L = a.num_hidden_layers
     mx.random.seed(seed)
-    spec = DFlashSpec(layer, L, list(layer_ids or default_layer_ids(L, layers)), block_size, a.vocab_size - 1, layer_types=["full_attention"] * layers)
-    for k, v in kw.items(): setattr(spec, k, v)
+    spec = DFlashSpec(
+        layer,
+        L,
+        list(layer_ids or default_layer_ids(L, layers)),
+        block_size,
+        a.vocab_size - 1,
+        layer_types=["full_attention"] * layers,
+    )
+    for k, v in kw.items():
+        setattr(spec, k, v)
     d = DFlash(spec)
     mx.eval(d.parameters())
     return d
 
 # %% ../../nbs/05q_dflash.ipynb #06d8bf13
 class DFlashSource:
-    "Per-request state of a DFlash drafter: the context features of every position the target kept, as K/V per drafter layer; one forward drafts a block."
-    def __init__(self, drafter:DFlash, target:TargetView, sampler=None, grammar=None,
-                 tap_layers:list|None=None,   # the target layers it reads (default: the checkpoint's)
-                 p_min:float|None=None,       # cut the block at the first position whose top probability is below this (None: never)
-                 context:int|None=None):      # attend to at most this many newest context positions (None: the checkpoint's draft_window_size, else all)
+    """Per-request state of a DFlash drafter: the context features of every position the target kept, as K/V per drafter
+    layer; one forward drafts a block."""
+
+    def __init__(
+        self,
+        drafter: DFlash,
+        target: TargetView,
+        sampler=None,
+        grammar=None,
+        tap_layers: list | None = None,  # the target layers it reads (default: the checkpoint's)
+        p_min: float
+        | None = None,  # cut the block at the first position whose top probability is below this (None: never)
+        context: int | None = None,
+    ):  # attend to at most this many newest context positions (None: the checkpoint's draft_window_size, else all)
         self.drafter, self.target, self.sampler, self.grammar, self.p_min = drafter, target, sampler, grammar, p_min
         self.tap_layers = tap_layers or drafter.spec.layer_ids
-        self.embed = drafter.embed_tokens if "embed_tokens" in drafter else text_model(target.model).model.embed_tokens   # its own, else the target's
+        self.embed = (
+            drafter.embed_tokens if "embed_tokens" in drafter else text_model(target.model).model.embed_tokens
+        )  # its own, else the target's
         self.head, self.context = output_head(target.model), context or drafter.spec.context
         self.caches, self.skipped, self.logits = drafter.caches(), None, []
 
     def prefill(self, prompt_ids, ctx=None):
-        "Nothing to run: the prompt's rows come with the first draft; `ctx`: saved caches holding the context before it."
-        if ctx: self.caches = list(ctx)
+        """Nothing to run: the prompt's rows come with the first draft; `ctx`: saved caches holding the context before
+        it."""
+        if ctx:
+            self.caches = list(ctx)
 
     def _read(self, rows):
-        "Append the context features of the target's kept rows; check that the drafter now holds one entry per target position."
+        """Append the context features of the target's kept rows; check that the drafter now holds one entry per target
+        position."""
         t, m = self.target.cache[0].offset, 0 if rows is None else rows.shape[0]
-        if self.skipped is None: self.skipped = t - self.caches[0].offset - m   # a cached prefix it never saw
-        if m: self.drafter.extend(rows[None], self.caches, self.caches[0].offset + self.skipped)
+        if self.skipped is None:
+            self.skipped = t - self.caches[0].offset - m  # a cached prefix it never saw
+        if m:
+            self.drafter.extend(rows[None], self.caches, self.caches[0].offset + self.skipped)
         if self.caches[0].offset + self.skipped != t:
-            raise RuntimeError(f"DFlash drafter out of lockstep: {self.caches[0].offset} context entries (+{self.skipped} unseen) for a target cache of {t}")
+            raise RuntimeError(
+                f"DFlash drafter out of lockstep: {self.caches[0].offset} context entries (+{self.skipped} unseen) "
+                f"for a target cache of {t}"
+            )
         return t
 
-    def _confident(self, logits)->bool: return mx.softmax(logits.astype(mx.float32), axis=-1).max().item() >= self.p_min
+    def _confident(self, logits) -> bool:
+        return mx.softmax(logits.astype(mx.float32), axis=-1).max().item() >= self.p_min
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
         start, self.logits = self._read(anchor_hidden), []
         n = min(n, self.drafter.spec.block_size - 1)
-        if n <= 0: return []
-        block = mx.array([[int(feed[-1])] + [self.drafter.spec.mask_token_id] * n], mx.uint32)   # the bonus, then masks
+        if n <= 0:
+            return []
+        block = mx.array([[int(feed[-1])] + [self.drafter.spec.mask_token_id] * n], mx.uint32)  # the bonus, then masks
         x = self.embed(block) * self.drafter.spec.embedding_scale
-        logits = self.drafter.logits(self.drafter(x, self.caches, start, self.context)[:, 1:], self.head)[0]   # (n, V): every draft at once
-        if self.grammar is None and not self.p_min:   # every row drawn at once: one graph, evaluated with the verify forward
+        logits = self.drafter.logits(self.drafter(x, self.caches, start, self.context)[:, 1:], self.head)[
+            0
+        ]  # (n, V): every draft at once
+        if (
+            self.grammar is None and not self.p_min
+        ):  # every row drawn at once: one graph, evaluated with the verify forward
             self.logits = [logits]
             return sample_positions(logits, self.sampler)
-        rows = iter(range(n))   # row by row: a grammar walks its fork along the drafts, the confidence cut looks at each
-        out, self.logits = draft_tokens(lambda y: logits[next(rows)][None], n, self.sampler, self.grammar,
-                                        self._confident if self.p_min else None)
+        rows = iter(range(n))  # row by row: a grammar walks its fork along the drafts, the confidence cut looks at each
+        out, self.logits = draft_tokens(
+            lambda y: logits[next(rows)][None], n, self.sampler, self.grammar, self._confident if self.p_min else None
+        )
         return mx.concatenate(out) if out else []
 
-    def commit(self, d, k): pass   # the kept positions' rows arrive with the next draft
+    def commit(self, d, k):
+        pass  # the kept positions' rows arrive with the next draft
 
     def draft_logprobs(self):
         "The distributions the last drafts were sampled from (lazy), for the rejection rule."
         return draft_distribution(self.logits, self.sampler)
 
-    def save(self, held, anchor_hidden=None)->list:
+    def save(self, held, anchor_hidden=None) -> list:
         "Hand over the drafter's context caches for the target's `held` tokens, reading the kept rows it has not."
         self._read(anchor_hidden)
         caches, self.caches = self.caches, None
         mx.eval([a for c in caches for a in (c.keys, c.values) if a is not None])
         return caches
 
-    def close(self): self.caches = None
+    def close(self):
+        self.caches = None
+
 
 class DFlashProvider:
     "Drafting with a published DFlash checkpoint on the target's hidden states; each request gets a `DFlashSource`."
-    def __init__(self, drafter:DFlash|str|Path, # a loaded drafter, or a folder or hub id holding one
-                 p_min:float|None=None,         # the confidence cut (see `DFlashSource`)
-                 context:int|None=None):        # the context bound (see `DFlashSource`)
+
+    def __init__(
+        self,
+        drafter: DFlash | str | Path,  # a loaded drafter, or a folder or hub id holding one
+        p_min: float | None = None,  # the confidence cut (see `DFlashSource`)
+        context: int | None = None,
+    ):  # the context bound (see `DFlashSource`)
         self.drafter = drafter if isinstance(drafter, DFlash) else load_dflash(drafter)
         self.p_min, self.context = p_min, context
 
-    def tap_layers(self, model)->list:
-        "The layers of `model` this checkpoint reads; a `ValueError` naming the field and both values if it does not fit."
+    def tap_layers(self, model) -> list:
+        """The layers of `model` this checkpoint reads; a `ValueError` naming the field and both values if it does not
+        fit."""
         s, a = self.drafter.spec, getattr(text_model(model), "args", None)
         L, H, V = (getattr(a, f, None) for f in ("num_hidden_layers", "hidden_size", "vocab_size"))
-        if L is not None and s.target_layers != L: raise ValueError(f"DFlash checkpoint: num_target_layers {s.target_layers}, but the target has {L} layers")
+        if L is not None and s.target_layers != L:
+            raise ValueError(f"DFlash checkpoint: num_target_layers {s.target_layers}, but the target has {L} layers")
         if L is not None and not all(0 <= i < L for i in s.layer_ids):
-            raise ValueError(f"DFlash checkpoint: target_layer_ids {s.layer_ids} outside the target's {L} layers (0..{L - 1})")
-        if H is not None and s.layer["hidden_size"] != H: raise ValueError(f"DFlash checkpoint: hidden_size {s.layer['hidden_size']}, but the target's hidden_size is {H}")
-        if V is not None and not 0 <= s.mask_token_id < V: raise ValueError(f"DFlash checkpoint: mask_token_id {s.mask_token_id}, outside the target's {V}-token vocabulary")
+            raise ValueError(
+                f"DFlash checkpoint: target_layer_ids {s.layer_ids} outside the target's {L} layers (0..{L - 1})"
+            )
+        if H is not None and s.layer["hidden_size"] != H:
+            raise ValueError(
+                f"DFlash checkpoint: hidden_size {s.layer['hidden_size']}, but the target's hidden_size is {H}"
+            )
+        if V is not None and not 0 <= s.mask_token_id < V:
+            raise ValueError(
+                f"DFlash checkpoint: mask_token_id {s.mask_token_id}, outside the target's {V}-token vocabulary"
+            )
         return check_head_target(model, s.layer_ids)
 
-    def check(self, model)->list:
-        "Refuse a checkpoint that does not fit `model` (call at start-up), else the layers it reads; compute in the target's dtype."
+    def check(self, model) -> list:
+        """Refuse a checkpoint that does not fit `model` (call at start-up), else the layers it reads; compute in the
+        target's dtype."""
         taps = self.tap_layers(model)
         e = text_model(model).model.embed_tokens
         self.drafter.set_dtype(e.scales.dtype if "scales" in e else e.weight.dtype)
         return taps
 
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->DFlashSource:
-        if target is None: raise ValueError("the DFlash source reads the target: open it with target=TargetView(model, cache)")
+    def open(
+        self,
+        sampler=None,
+        logits_processors=None,
+        target: TargetView | None = None,
+        prefill_step_size=2048,
+        grammar=None,
+    ) -> DFlashSource:
+        if target is None:
+            raise ValueError("the DFlash source reads the target: open it with target=TargetView(model, cache)")
         return DFlashSource(self.drafter, target, sampler, grammar, self.check(target.model), self.p_min, self.context)

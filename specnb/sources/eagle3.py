@@ -20,158 +20,267 @@ from .chain import HeadSource, check_head_target
 from ..tap import text_model
 
 # %% ../../nbs/05m_eagle3.ipynb #3a4d1f3a
-LAYER_TYPES = {"llama": llama, "qwen3": qwen3}   # the decoder layers published EAGLE-3 checkpoints are made of
+LAYER_TYPES = {"llama": llama, "qwen3": qwen3}  # the decoder layers published EAGLE-3 checkpoints are made of
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-_SPECULATORS_KEYS = {"speculators_model_type", "speculators_version", "speculators_config", "architectures", "transformer_layer_config",
-                     "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "embed_requires_grad", "tie_word_embeddings",
-                     "has_no_defaults_at_init", "auto_map", "dtype", "torch_dtype", "transformers_version", "model_type", *FLAGS}
+_SPECULATORS_KEYS = {
+    "speculators_model_type",
+    "speculators_version",
+    "speculators_config",
+    "architectures",
+    "transformer_layer_config",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "eagle_aux_hidden_state_layer_ids",
+    "embed_requires_grad",
+    "tie_word_embeddings",
+    "has_no_defaults_at_init",
+    "auto_map",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "model_type",
+    *FLAGS,
+}
+
 
 @dataclass
 class Eagle3Spec:
     "What a published EAGLE-3 checkpoint says, in one shape whatever its layout."
-    layout: str                     # speculators, safeailab or specforge
-    layer: dict                     # its decoder layers' config (llama or qwen3); vocab_size = the target's
-    draft_vocab: int                # tokens it can propose
-    target_hidden: int              # the width of each tapped row
-    layer_ids: list | None = None   # the tapped layers as the layout counts them (None: EAGLE-3's default for the target's depth)
-    ids_are_inputs: bool = True     # HF hidden_states indices (the input of a layer), else layer outputs
+
+    layout: str  # speculators, safeailab or specforge
+    layer: dict  # its decoder layers' config (llama or qwen3); vocab_size = the target's
+    draft_vocab: int  # tokens it can propose
+    target_hidden: int  # the width of each tapped row
+    layer_ids: list | None = (
+        None  # the tapped layers as the layout counts them (None: EAGLE-3's default for the target's depth)
+    )
+    ids_are_inputs: bool = True  # HF hidden_states indices (the input of a layer), else layer outputs
     norm_before_residual: bool = False
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
 
-    def tap_layers(self, target_layers:int)->list:
+    def tap_layers(self, target_layers: int) -> list:
         "The target layers whose outputs the drafter reads, for a target `target_layers` deep."
         L = target_layers
-        if self.layer_ids is None: return [1, L // 2 - 1, L - 4]   # hidden_states[2, L//2, L-3]
+        if self.layer_ids is None:
+            return [1, L // 2 - 1, L - 4]  # hidden_states[2, L//2, L-3]
         return [int(i) - 1 for i in self.layer_ids] if self.ids_are_inputs else [int(i) for i in self.layer_ids]
 
-def read_eagle3(cfg:dict)->Eagle3Spec:
+
+def read_eagle3(cfg: dict) -> Eagle3Spec:
     "The `Eagle3Spec` of a checkpoint's `config.json` contents; a `ValueError` naming what it cannot read."
     if cfg.get("speculators_model_type") == "eagle3":
         odd = [k for k, v in cfg.items() if k not in _SPECULATORS_KEYS and isinstance(v, bool) and v]
-        if odd: raise ValueError(f"EAGLE-3 checkpoint: unknown flag {odd[0]}={cfg[odd[0]]} (specnb reads {', '.join(FLAGS)})")
+        if odd:
+            raise ValueError(
+                f"EAGLE-3 checkpoint: unknown flag {odd[0]}={cfg[odd[0]]} (specnb reads {', '.join(FLAGS)})"
+            )
         layer = dict(cfg["transformer_layer_config"])
-        return Eagle3Spec("speculators", layer, cfg.get("draft_vocab_size") or layer["vocab_size"], cfg.get("target_hidden_size") or layer["hidden_size"],
-                          cfg.get("eagle_aux_hidden_state_layer_ids"), True, **{f: bool(cfg.get(f)) for f in FLAGS})
-    if "LlamaForCausalLMEagle3" in (cfg.get("architectures") or []):   # the config is the layer's own
+        return Eagle3Spec(
+            "speculators",
+            layer,
+            cfg.get("draft_vocab_size") or layer["vocab_size"],
+            cfg.get("target_hidden_size") or layer["hidden_size"],
+            cfg.get("eagle_aux_hidden_state_layer_ids"),
+            True,
+            **{f: bool(cfg.get(f)) for f in FLAGS},
+        )
+    if "LlamaForCausalLMEagle3" in (cfg.get("architectures") or []):  # the config is the layer's own
         ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        return Eagle3Spec("safeailab" if ids is None else "specforge", {**cfg, "model_type": "llama", "num_hidden_layers": cfg.get("num_hidden_layers", 1)},
-                          cfg.get("draft_vocab_size") or cfg["vocab_size"], cfg.get("target_hidden_size") or cfg["hidden_size"], ids, False,
-                          norm_before_residual=bool(cfg.get("norm_before_residual")))
-    raise ValueError("not an EAGLE-3 checkpoint: its config has neither speculators_model_type 'eagle3' nor architectures ['LlamaForCausalLMEagle3']")
+        return Eagle3Spec(
+            "safeailab" if ids is None else "specforge",
+            {**cfg, "model_type": "llama", "num_hidden_layers": cfg.get("num_hidden_layers", 1)},
+            cfg.get("draft_vocab_size") or cfg["vocab_size"],
+            cfg.get("target_hidden_size") or cfg["hidden_size"],
+            ids,
+            False,
+            norm_before_residual=bool(cfg.get("norm_before_residual")),
+        )
+    raise ValueError(
+        "not an EAGLE-3 checkpoint: its config has neither speculators_model_type 'eagle3' nor architectures "
+        "['LlamaForCausalLMEagle3']"
+    )
 
 # %% ../../nbs/05m_eagle3.ipynb #bdaa1920
-def _widen(block, width:int):
+def _widen(block, width: int):
     "EAGLE-3's first layer: q, k and v read `[embedding; feature]`, `width` wide."
     at = block.self_attn
     for name in ("q_proj", "k_proj", "v_proj"):
         old = getattr(at, name)
         setattr(at, name, nn.Linear(width, old.weight.shape[0], bias="bias" in old))
 
+
 class Eagle3(nn.Module):
-    "An EAGLE-3 drafter with the head's interface: `fuse` the tapped rows, step on `[embedding; feature]`, `readout` over the target's vocabulary."
-    def __init__(self, spec:Eagle3Spec, n_rows:int=3, embed:bool=False):
+    """An EAGLE-3 drafter with the head's interface: `fuse` the tapped rows, step on `[embedding; feature]`, `readout`
+    over the target's vocabulary."""
+
+    def __init__(self, spec: Eagle3Spec, n_rows: int = 3, embed: bool = False):
         super().__init__()
         kind = spec.layer.get("model_type", "llama")
-        if kind not in LAYER_TYPES: raise ValueError(f"EAGLE-3 checkpoint: transformer_layer_config.model_type {kind!r} (specnb reads {', '.join(LAYER_TYPES)})")
+        if kind not in LAYER_TYPES:
+            raise ValueError(
+                f"EAGLE-3 checkpoint: transformer_layer_config.model_type {kind!r} (specnb reads "
+                f"{', '.join(LAYER_TYPES)})"
+            )
         self.spec, a = spec, LAYER_TYPES[kind].ModelArgs.from_dict(spec.layer)
         H, eps, wide = a.hidden_size, a.rms_norm_eps, n_rows * spec.target_hidden
         self.layers = [LAYER_TYPES[kind].TransformerBlock(a) for _ in range(a.num_hidden_layers)]
         _widen(self.layers[0], 2 * H)
         self.layers[0].hidden_norm = nn.RMSNorm(H, eps=eps)
         self.fc = nn.Linear(wide, H, bias=False)
-        if spec.norm_before_fc: self.input_norm = nn.RMSNorm(wide, eps=eps)
-        if spec.fc_norm: self.fc_norm = [nn.RMSNorm(spec.target_hidden, eps=eps) for _ in range(n_rows)]
+        if spec.norm_before_fc:
+            self.input_norm = nn.RMSNorm(wide, eps=eps)
+        if spec.fc_norm:
+            self.fc_norm = [nn.RMSNorm(spec.target_hidden, eps=eps) for _ in range(n_rows)]
         self.norm, self.lm_head = nn.RMSNorm(H, eps=eps), nn.Linear(H, spec.draft_vocab, bias=False)
-        if embed: self.embed_tokens = nn.Embedding(a.vocab_size, H)
-        if spec.draft_vocab != a.vocab_size:   # offsets to target ids: read from the checkpoint, never trained
+        if embed:
+            self.embed_tokens = nn.Embedding(a.vocab_size, H)
+        if spec.draft_vocab != a.vocab_size:  # offsets to target ids: read from the checkpoint, never trained
             self.d2t = mx.zeros((spec.draft_vocab,), mx.int32)
             self.freeze(recurse=False, keys=["d2t"])
         self.vocab_size, self.depth = a.vocab_size, a.num_hidden_layers
 
-    def fuse(self, rows)->mx.array:
+    def fuse(self, rows) -> mx.array:
         "The tapped rows `(..., n · target_hidden)` fused to the drafter's width."
-        if self.spec.norm_before_fc: rows = self.input_norm(rows)
-        if self.spec.fc_norm: rows = mx.concatenate([n(r) for n, r in zip(self.fc_norm, mx.split(rows, len(self.fc_norm), axis=-1))], axis=-1)
+        if self.spec.norm_before_fc:
+            rows = self.input_norm(rows)
+        if self.spec.fc_norm:
+            rows = mx.concatenate(
+                [n(r) for n, r in zip(self.fc_norm, mx.split(rows, len(self.fc_norm), axis=-1))], axis=-1
+            )
         return self.fc(rows)
 
-    def __call__(self, feature, embedding, mask=None, cache=None)->mx.array:
-        "The next features from `feature` (fused rows, or the drafter's own last output) and the embeddings of the tokens after them."
+    def __call__(self, feature, embedding, mask=None, cache=None) -> mx.array:
+        """The next features from `feature` (fused rows, or the drafter's own last output) and the embeddings of the
+        tokens after them."""
         first = self.layers[0]
         f = first.hidden_norm(feature)
-        h = (f if self.spec.norm_before_residual else feature) + first.self_attn(mx.concatenate([first.input_layernorm(embedding), f], axis=-1), mask, cache)
+        h = (f if self.spec.norm_before_residual else feature) + first.self_attn(
+            mx.concatenate([first.input_layernorm(embedding), f], axis=-1), mask, cache
+        )
         h = h + first.mlp(first.post_attention_layernorm(h))
-        for layer, c in zip(self.layers[1:], getattr(cache, "more", None) or [None] * (self.depth - 1)): h = layer(h, mask, c)
+        for layer, c in zip(self.layers[1:], getattr(cache, "more", None) or [None] * (self.depth - 1)):
+            h = layer(h, mask, c)
         return self.norm(h) if self.spec.norm_output else h
 
-    def draft_logits(self, a)->mx.array:
+    def draft_logits(self, a) -> mx.array:
         "Logits of outputs `a` over the draft vocabulary."
         return self.lm_head(a if self.spec.norm_output else self.norm(a))
 
-    def vocab_rows(self, model): return None   # its own lm_head: nothing to read from the target's
+    def vocab_rows(self, model):
+        return None  # its own lm_head: nothing to read from the target's
 
-    def readout(self, model, a, rows=None)->mx.array:
-        "Logits of outputs `a` over the target's vocabulary: each draft token's at its target id, every other token at -inf."
+    def readout(self, model, a, rows=None) -> mx.array:
+        """Logits of outputs `a` over the target's vocabulary: each draft token's at its target id, every other token at
+        -inf."""
         logits = self.draft_logits(a)
-        if "d2t" not in self: return logits
+        if "d2t" not in self:
+            return logits
         full = mx.full((*logits.shape[:-1], self.vocab_size), -mx.inf, logits.dtype)
         full[..., mx.arange(self.spec.draft_vocab) + self.d2t] = logits
         return full
 
 # %% ../../nbs/05m_eagle3.ipynb #e3c63147
-def checkpoint_folder(path)->Path:
-    "`path` if it is a local folder, else the hub repository's config and weights, downloaded (hub ids are fetched by `huggingface_hub`)."
-    if Path(path).is_dir(): return Path(path)
+def checkpoint_folder(path) -> Path:
+    """`path` if it is a local folder, else the hub repository's config and weights, downloaded (hub ids are fetched by
+    `huggingface_hub`)."""
+    if Path(path).is_dir():
+        return Path(path)
     from huggingface_hub import snapshot_download
+
     return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
 
-draft_config = read_config   # the name the registry reads: a folder's or hub repository's `config.json`
 
-def is_eagle3(cfg:dict|None)->bool:
+draft_config = read_config  # the name the registry reads: a folder's or hub repository's `config.json`
+
+
+def is_eagle3(cfg: dict | None) -> bool:
     "Does this config describe an EAGLE-3 checkpoint?"
-    try: read_eagle3(cfg or {}); return True
-    except (ValueError, KeyError): return False
+    try:
+        read_eagle3(cfg or {})
+        return True
+    except (ValueError, KeyError):
+        return False
+
 
 _DROPPED = ("t2d", "verifier_", "rotary_emb.inv_freq")
-def empty_eagle3(cfg:dict, weights:dict)->Eagle3:
+
+
+def empty_eagle3(cfg: dict, weights: dict) -> Eagle3:
     "The untrained drafter a checkpoint's config and tensors describe (its tapped rows read off `fc`)."
     spec = read_eagle3(cfg)
     n_rows, rem = divmod(weights["fc.weight"].shape[1], spec.target_hidden)
-    if rem: raise ValueError(f"EAGLE-3 checkpoint: fc.weight is {weights['fc.weight'].shape[1]} wide, not a multiple of target_hidden_size {spec.target_hidden}")
+    if rem:
+        raise ValueError(
+            f"EAGLE-3 checkpoint: fc.weight is {weights['fc.weight'].shape[1]} wide, not a multiple of "
+            f"target_hidden_size {spec.target_hidden}"
+        )
     return Eagle3(spec, n_rows, embed="embed_tokens.weight" in weights)
 
-def load_eagle3(path)->Eagle3:
+
+def load_eagle3(path) -> Eagle3:
     "The EAGLE-3 drafter in the folder (or hub repository) `path`, its weights loaded strictly."
     return read_checkpoint(path, empty_eagle3, rename={"midlayer.": "layers.0."}, drop=_DROPPED)
 
 # %% ../../nbs/05m_eagle3.ipynb #e5c342e4
-def eagle3_config(spec:Eagle3Spec)->dict:
+def eagle3_config(spec: Eagle3Spec) -> dict:
     "`spec` as a speculators-layout `config.json`."
     ids = spec.layer_ids if spec.ids_are_inputs or spec.layer_ids is None else [i + 1 for i in spec.layer_ids]
     proposal = {"proposal_type": "greedy", "speculative_tokens": 3}
-    return {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "transformer_layer_config": spec.layer,
-            "draft_vocab_size": spec.draft_vocab, "target_hidden_size": spec.target_hidden, "eagle_aux_hidden_state_layer_ids": ids,
-            **{f: getattr(spec, f) for f in FLAGS},
-            "speculators_config": {"algorithm": "eagle3", "proposal_methods": [proposal], "default_proposal_method": "greedy",
-                                   "verifier": {"name_or_path": None, "architectures": []}}}
+    return {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": spec.layer,
+        "draft_vocab_size": spec.draft_vocab,
+        "target_hidden_size": spec.target_hidden,
+        "eagle_aux_hidden_state_layer_ids": ids,
+        **{f: getattr(spec, f) for f in FLAGS},
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [proposal],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": None, "architectures": []},
+        },
+    }
 
-def save_eagle3(drafter:Eagle3, path, dtype=mx.float16):
+
+def save_eagle3(drafter: Eagle3, path, dtype=mx.float16):
     "Write `drafter` into the folder `path` in vLLM's speculators layout (floating weights cast to `dtype`)."
     w = dict(tree_flatten(drafter.parameters()))
-    if "d2t" in drafter:   # t2d next to d2t, as torch-trained checkpoints hold it: the target ids it can propose
+    if "d2t" in drafter:  # t2d next to d2t, as torch-trained checkpoints hold it: the target ids it can propose
         w["t2d"] = mx.zeros((drafter.vocab_size,), mx.bool_)
         w["t2d"][mx.arange(drafter.spec.draft_vocab) + drafter.d2t] = True
-    write_checkpoint(path, eagle3_config(drafter.spec), w, dtype)   # d2t as int64, as torch writes it
+    write_checkpoint(path, eagle3_config(drafter.spec), w, dtype)  # d2t as int64, as torch writes it
 
-def random_eagle3(model, layer_ids:list|None=None, # `hidden_states` indices of the tapped layers (None: EAGLE-3's default for the target's depth)
-                  draft_vocab:int=0, seed:int=0, heads:int=4)->Eagle3:
+
+def random_eagle3(
+    model,
+    layer_ids: list
+    | None = None,  # `hidden_states` indices of the tapped layers (None: EAGLE-3's default for the target's depth)
+    draft_vocab: int = 0,
+    seed: int = 0,
+    heads: int = 4,
+) -> Eagle3:
     "An untrained EAGLE-3 drafter as wide as `model` (an mlx-lm model): same seed, same weights (and draft vocabulary)."
     a = text_model(model).args
-    layer = dict(model_type="llama", hidden_size=a.hidden_size, intermediate_size=2 * a.hidden_size, num_hidden_layers=1, num_attention_heads=heads,
-                 num_key_value_heads=heads, head_dim=a.hidden_size // heads, rms_norm_eps=1e-5, vocab_size=a.vocab_size, rope_theta=10000.0)
+    layer = dict(
+        model_type="llama",
+        hidden_size=a.hidden_size,
+        intermediate_size=2 * a.hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=a.hidden_size // heads,
+        rms_norm_eps=1e-5,
+        vocab_size=a.vocab_size,
+        rope_theta=10000.0,
+    )
     mx.random.seed(seed)
-    d = Eagle3(Eagle3Spec("speculators", layer, draft_vocab or a.vocab_size, a.hidden_size, layer_ids), len(layer_ids or (0, 0, 0)))
+    d = Eagle3(
+        Eagle3Spec("speculators", layer, draft_vocab or a.vocab_size, a.hidden_size, layer_ids),
+        len(layer_ids or (0, 0, 0)),
+    )
     if draft_vocab:
         keep = mx.sort(mx.random.permutation(a.vocab_size)[:draft_vocab])
         d.d2t = (keep - mx.arange(draft_vocab)).astype(mx.int32)
@@ -180,29 +289,52 @@ def random_eagle3(model, layer_ids:list|None=None, # `hidden_states` indices of 
 
 # %% ../../nbs/05m_eagle3.ipynb #fa10df08
 class Eagle3Provider:
-    "Drafting with a published EAGLE-3 checkpoint on the target's hidden states; each request gets the chain `HeadSource`."
-    def __init__(self, drafter:Eagle3|str|Path): # a loaded drafter, or a folder or hub id holding one
+    """Drafting with a published EAGLE-3 checkpoint on the target's hidden states; each request gets the chain
+    `HeadSource`."""
+
+    def __init__(self, drafter: Eagle3 | str | Path):  # a loaded drafter, or a folder or hub id holding one
         self.drafter = drafter if isinstance(drafter, Eagle3) else load_eagle3(drafter)
 
-    def tap_layers(self, model)->list:
-        "The layers of `model` this checkpoint reads; a `ValueError` naming the field and both values if it does not fit."
+    def tap_layers(self, model) -> list:
+        """The layers of `model` this checkpoint reads; a `ValueError` naming the field and both values if it does not
+        fit."""
         s, a = self.drafter.spec, getattr(text_model(model), "args", None)
         L, H, V = (getattr(a, f, None) for f in ("num_hidden_layers", "hidden_size", "vocab_size"))
         taps = s.tap_layers(L) if L else []
         if L and not all(0 <= t < L for t in taps):
             what = "eagle_aux_hidden_state_layer_ids" if s.layer_ids is not None else "the default layers"
-            raise ValueError(f"EAGLE-3 checkpoint: {what} {s.layer_ids or taps} name layer outputs {taps}, outside the target's {L} layers (0..{L - 1})")
-        if H is not None and s.target_hidden != H: raise ValueError(f"EAGLE-3 checkpoint: target_hidden_size {s.target_hidden}, but the target's hidden_size is {H}")
-        if V is not None and self.drafter.vocab_size != V: raise ValueError(f"EAGLE-3 checkpoint: vocab_size {self.drafter.vocab_size}, but the target's vocab_size is {V}")
+            raise ValueError(
+                f"EAGLE-3 checkpoint: {what} {s.layer_ids or taps} name layer outputs {taps}, outside the target's "
+                f"{L} layers (0..{L - 1})"
+            )
+        if H is not None and s.target_hidden != H:
+            raise ValueError(
+                f"EAGLE-3 checkpoint: target_hidden_size {s.target_hidden}, but the target's hidden_size is {H}"
+            )
+        if V is not None and self.drafter.vocab_size != V:
+            raise ValueError(
+                f"EAGLE-3 checkpoint: vocab_size {self.drafter.vocab_size}, but the target's vocab_size is {V}"
+            )
         return check_head_target(model, taps)
 
-    def check(self, model)->list:
-        "Refuse a checkpoint that does not fit `model` (call at start-up), else the layers it reads; compute in the target's dtype (a float16 checkpoint on a float32 target is slow on a CPU)."
+    def check(self, model) -> list:
+        """Refuse a checkpoint that does not fit `model` (call at start-up), else the layers it reads; compute in the
+        target's dtype (a float16 checkpoint on a float32 target is slow on a CPU)."""
         taps = self.tap_layers(model)
         e = text_model(model).model.embed_tokens
-        self.drafter.set_dtype(e.scales.dtype if "scales" in e else e.weight.dtype)   # a quantized target: its scales' dtype
+        self.drafter.set_dtype(
+            e.scales.dtype if "scales" in e else e.weight.dtype
+        )  # a quantized target: its scales' dtype
         return taps
 
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->HeadSource:
-        if target is None: raise ValueError("the EAGLE-3 source reads the target: open it with target=TargetView(model, cache)")
+    def open(
+        self,
+        sampler=None,
+        logits_processors=None,
+        target: TargetView | None = None,
+        prefill_step_size=2048,
+        grammar=None,
+    ) -> HeadSource:
+        if target is None:
+            raise ValueError("the EAGLE-3 source reads the target: open it with target=TargetView(model, cache)")
         return HeadSource(self.drafter, target, sampler, grammar, tap_layers=self.check(target.model))

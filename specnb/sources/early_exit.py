@@ -17,70 +17,114 @@ from ..caches.recurrent import spec_cache
 from .base import TargetView, draft_distribution, draft_tokens, output_head
 
 # %% ../../nbs/05d_early_exit.ipynb #2d10cdc2
-def _mask(h:mx.array, c):
-    "The mask one layer needs for the new rows `h` on its cache `c`: its own window on a ring, none on recurrent state (one row, no padding)."
+def _mask(h: mx.array, c):
+    """The mask one layer needs for the new rows `h` on its cache `c`: its own window on a ring, none on recurrent state
+    (one row, no padding)."""
     return None if isinstance(c, ArraysCache) else create_attention_mask(h, c)
+
 
 class EarlyExitSource:
     "Drafts with the first `exit_layer` layers of the target, on the target's own caches."
+
     tap_layers = None
 
-    def __init__(self, target:TargetView, exit_layer:int, sampler=None, grammar=None):
+    def __init__(self, target: TargetView, exit_layer: int, sampler=None, grammar=None):
         inner = target.model.model
         self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers[:exit_layer], inner.norm
         self.head = output_head(target.model)
         self.cache, self.sampler, self.logits, self.grammar = target.cache[:exit_layer], sampler, [], grammar
 
-    def prefill(self, prompt_ids, ctx=None): pass   # the target's prefill already wrote the KV these layers need
+    def prefill(self, prompt_ids, ctx=None):
+        pass  # the target's prefill already wrote the KV these layers need
 
     def _logits(self, y):
         "`(1, V)` logits of the next position after the token `y`, through the first layers on the target's caches."
         h = self.embed(y[None])
-        for layer, c in zip(self.layers, self.cache): h = layer(h, _mask(h, c), cache=c)   # a sliding layer sees its window, a full one all
+        for layer, c in zip(self.layers, self.cache):
+            h = layer(h, _mask(h, c), cache=c)  # a sliding layer sees its window, a full one all
         return self.head(self.norm(h[:, -1]))
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
         self.logits = []
-        if n == 0: return []
+        if n == 0:
+            return []
         start, last = [c.offset for c in self.cache], mx.array(feed[-1:], mx.uint32)
         out, self.logits = draft_tokens(lambda y: self._logits(last if y is None else y), n, self.sampler, self.grammar)
-        for c, o in zip(self.cache, start): c.trim(c.offset - o)   # give the target its caches back as they were
-        return mx.concatenate(out)   # lazy: the verify forward overwrites those positions afterwards
+        for c, o in zip(self.cache, start):
+            c.trim(c.offset - o)  # give the target its caches back as they were
+        return mx.concatenate(out)  # lazy: the verify forward overwrites those positions afterwards
 
-    def commit(self, d, k): pass   # nothing of its own to roll back
+    def commit(self, d, k):
+        pass  # nothing of its own to roll back
+
     def draft_logprobs(self):
         "The distributions the last drafts were sampled from (lazy), for the rejection rule."
         return draft_distribution(self.logits, self.sampler)
 
-    def save(self, held, anchor_hidden=None): return []   # its caches are the target's
-    def close(self): self.cache = None
+    def save(self, held, anchor_hidden=None):
+        return []  # its caches are the target's
+
+    def close(self):
+        self.cache = None
 
 # %% ../../nbs/05d_early_exit.ipynb #d2892fd8
-_ROLLS_BACK = (KVCache, SpecRotatingKVCache, ArraysCache)   # what `spec_cache` makes that a draft's speculative entries can leave again
+_ROLLS_BACK = (
+    KVCache,
+    SpecRotatingKVCache,
+    ArraysCache,
+)  # what `spec_cache` makes that a draft's speculative entries can leave again
+
 
 class EarlyExitProvider:
     "Self-speculation: the target's first `exit_layer` layers draft for it."
-    def __init__(self, exit_layer:int=2):
-        if exit_layer < 1: raise ValueError(f"exit_layer must be >= 1, got {exit_layer}")
+
+    def __init__(self, exit_layer: int = 2):
+        if exit_layer < 1:
+            raise ValueError(f"exit_layer must be >= 1, got {exit_layer}")
         self.exit_layer = exit_layer
 
     def check(self, model):
-        "Raise `ValueError`, naming the architecture and the reason, unless `model` can exit early at `exit_layer` (call at start-up)."
+        """Raise `ValueError`, naming the architecture and the reason, unless `model` can exit early at `exit_layer`
+        (call at start-up)."""
         arch, inner, L = arch_name(model), getattr(model, "model", None), self.exit_layer
-        if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")) or not isinstance(inner.layers, list):   # PLaMo 2: a module of layers
-            raise ValueError(f"early exit cannot cut {arch} short: it needs the decoder at model.model with embed_tokens, layers and a final norm "
-                             f"(mlx-lm's llama-family layout), and {type(model).__module__} has no such structure")
+        if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")) or not isinstance(
+            inner.layers, list
+        ):  # PLaMo 2: a module of layers
+            raise ValueError(
+                f"early exit cannot cut {arch} short: it needs the decoder at model.model with embed_tokens, layers "
+                "and a final norm "
+                f"(mlx-lm's llama-family layout), and {type(model).__module__} has no such structure"
+            )
         n = len(inner.layers)
-        if not 1 <= L < n: raise ValueError(f"exit_layer {L} is not below the target's {n} layers; choose 1..{n - 1}")
-        cache = spec_cache(model, 2)[:L]   # the caches the executor will give the target
+        if not 1 <= L < n:
+            raise ValueError(f"exit_layer {L} is not below the target's {n} layers; choose 1..{n - 1}")
+        cache = spec_cache(model, 2)[:L]  # the caches the executor will give the target
         bad = sorted({type(c).__name__ for c in cache if not isinstance(c, _ROLLS_BACK)})
-        if bad: raise ValueError(f"early exit cannot draft on {arch}: its first {L} layers keep {bad}, which cannot give back a draft's entries")
-        try: out = EarlyExitSource(TargetView(model, cache), L)._logits(mx.array([0], mx.uint32))   # one token through the cut model
+        if bad:
+            raise ValueError(
+                f"early exit cannot draft on {arch}: its first {L} layers keep {bad}, which cannot give back a "
+                "draft's entries"
+            )
+        try:
+            out = EarlyExitSource(TargetView(model, cache), L)._logits(
+                mx.array([0], mx.uint32)
+            )  # one token through the cut model
         except (TypeError, AttributeError, ValueError, IndexError) as e:
-            raise ValueError(f"early exit cannot run {arch}'s first {L} layers on their own ({type(e).__name__}: {e})") from e
-        if not isinstance(out, mx.array) or out.ndim != 2: raise ValueError(f"early exit cannot read {arch}'s layers: they return {type(out).__name__}")
+            raise ValueError(
+                f"early exit cannot run {arch}'s first {L} layers on their own ({type(e).__name__}: {e})"
+            ) from e
+        if not isinstance(out, mx.array) or out.ndim != 2:
+            raise ValueError(f"early exit cannot read {arch}'s layers: they return {type(out).__name__}")
 
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->EarlyExitSource:
-        if target is None: raise ValueError("the early-exit source reads the target: open it with target=TargetView(model, cache)")
+    def open(
+        self,
+        sampler=None,
+        logits_processors=None,
+        target: TargetView | None = None,
+        prefill_step_size=2048,
+        grammar=None,
+    ) -> EarlyExitSource:
+        if target is None:
+            raise ValueError("the early-exit source reads the target: open it with target=TargetView(model, cache)")
         self.check(target.model)
         return EarlyExitSource(target, self.exit_layer, sampler, grammar)

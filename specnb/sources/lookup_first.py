@@ -13,12 +13,14 @@ from .ngram import NgramSource, NgramProvider
 
 # %% ../../nbs/05j_lookup_first.ipynb #2466cb88
 class LookupFirstSource:
-    "Prompt lookup proposes when the trailing n-gram occurred before; otherwise `inner` drafts. Both see every kept token."
+    """Prompt lookup proposes when the trailing n-gram occurred before; otherwise `inner` drafts. Both see every kept
+    token."""
+
     def __init__(self, inner, min_ngram=3, max_ngram=3, match="recent"):
         self.inner, self.lookup = inner, NgramSource(max_ngram, min_ngram, match)
         self.tap_layers = getattr(inner, "tap_layers", None)
         self.behind, self.drafts, self.by_lookup = [], [], False
-        self.rounds = []   # True for a round lookup drafted, False for the inner source's: for inspection
+        self.rounds = []  # True for a round lookup drafted, False for the inner source's: for inspection
 
     def prefill(self, prompt_ids, ctx=None):
         self.lookup.prefill(prompt_ids)
@@ -29,51 +31,100 @@ class LookupFirstSource:
         found = self.lookup.draft(feed, n, step)
         self.by_lookup = bool(found)
         self.rounds.append(self.by_lookup)
-        if found: self.inner.draft(inner_feed, 0, step, anchor_hidden)   # read what the target kept, propose nothing
+        if found:
+            self.inner.draft(inner_feed, 0, step, anchor_hidden)  # read what the target kept, propose nothing
         self.drafts = found if found else self.inner.draft(inner_feed, n, step, anchor_hidden)
         return self.drafts
 
     def commit(self, d, k):
         # the accepted drafts, less the last one if all were kept (it comes back in the next feed, to both)
-        kept = (self.drafts if isinstance(self.drafts, list) else self.drafts.tolist())[:min(k, d - 1)] if d else []
+        kept = (self.drafts if isinstance(self.drafts, list) else self.drafts.tolist())[: min(k, d - 1)] if d else []
         if self.by_lookup:
             self.lookup.commit(d, k)
             self.inner.commit(0, 0)
-            self.behind = [int(t) for t in kept]   # never in the inner source's context: it reads them next round
+            self.behind = [int(t) for t in kept]  # never in the inner source's context: it reads them next round
         else:
             self.inner.commit(d, k)
             self.lookup.extend(kept)
 
-    def save(self, held, anchor_hidden=None): return self.inner.save(held, anchor_hidden)   # a saved context is the inner source's; lookup rebuilds from the prompt
-    def draft_logprobs(self): return None if self.by_lookup else self.inner.draft_logprobs()   # None: exact match this round
-    def close(self): self.inner.close(); self.lookup.close()
+    def save(self, held, anchor_hidden=None):
+        return self.inner.save(
+            held, anchor_hidden
+        )  # a saved context is the inner source's; lookup rebuilds from the prompt
+
+    def draft_logprobs(self):
+        return None if self.by_lookup else self.inner.draft_logprobs()  # None: exact match this round
+
+    def close(self):
+        self.inner.close()
+        self.lookup.close()
+
 
 class LookupFirstProvider:
     "Prompt lookup first (matches of `min_ngram`..`max_ngram` tokens), then `inner` (any provider) where it finds none."
-    def __init__(self, inner, min_ngram:int=3, max_ngram:int=3, match:str="recent"):
-        NgramProvider(max_ngram, min_ngram, match)   # the same argument checks, the same messages
-        if isinstance(inner, NgramProvider): raise ValueError("prompt lookup first needs a model source to fall back to, not another NgramProvider")
+
+    def __init__(self, inner, min_ngram: int = 3, max_ngram: int = 3, match: str = "recent"):
+        NgramProvider(max_ngram, min_ngram, match)  # the same argument checks, the same messages
+        if isinstance(inner, NgramProvider):
+            raise ValueError("prompt lookup first needs a model source to fall back to, not another NgramProvider")
         self.inner, self.min_ngram, self.max_ngram, self.match = inner, min_ngram, max_ngram, match
 
     def check(self, model):
-        "The inner source's start-up check (a head trained for another target, early exit past the last layer), if it has one."
-        if hasattr(self.inner, "check"): self.inner.check(model)
+        """The inner source's start-up check (a head trained for another target, early exit past the last layer), if it
+        has one."""
+        if hasattr(self.inner, "check"):
+            self.inner.check(model)
 
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->LookupFirstSource:
-        inner = self.inner.open(sampler=sampler, logits_processors=logits_processors, target=target, prefill_step_size=prefill_step_size, grammar=grammar)
+    def open(
+        self,
+        sampler=None,
+        logits_processors=None,
+        target: TargetView | None = None,
+        prefill_step_size=2048,
+        grammar=None,
+    ) -> LookupFirstSource:
+        inner = self.inner.open(
+            sampler=sampler,
+            logits_processors=logits_processors,
+            target=target,
+            prefill_step_size=prefill_step_size,
+            grammar=grammar,
+        )
         return LookupFirstSource(inner, self.min_ngram, self.max_ngram, self.match)
 
 # %% ../../nbs/05j_lookup_first.ipynb #3feff7fb
 class PredictedProvider:
-    "Drafts from a request's predicted output first (n-gram lookup matching the prediction before the prompt), else from `inner` (None: lookup alone)."
-    def __init__(self, inner, predicted:list, min_ngram:int=2, max_ngram:int=4):
-        self.inner, self.predicted, self.min_ngram, self.max_ngram = inner, [int(t) for t in predicted], min_ngram, max_ngram
+    """Drafts from a request's predicted output first (n-gram lookup matching the prediction before the prompt), else
+    from `inner` (None: lookup alone)."""
 
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None):
-        if self.inner is None: src = lookup = NgramSource(self.max_ngram, self.min_ngram, "first")
+    def __init__(self, inner, predicted: list, min_ngram: int = 2, max_ngram: int = 4):
+        self.inner, self.predicted, self.min_ngram, self.max_ngram = (
+            inner,
+            [int(t) for t in predicted],
+            min_ngram,
+            max_ngram,
+        )
+
+    def open(
+        self,
+        sampler=None,
+        logits_processors=None,
+        target: TargetView | None = None,
+        prefill_step_size=2048,
+        grammar=None,
+    ):
+        if self.inner is None:
+            src = lookup = NgramSource(self.max_ngram, self.min_ngram, "first")
         else:
             src = LookupFirstProvider(self.inner, self.min_ngram, self.max_ngram, "first").open(
-                sampler=sampler, logits_processors=logits_processors, target=target, prefill_step_size=prefill_step_size, grammar=grammar)
+                sampler=sampler,
+                logits_processors=logits_processors,
+                target=target,
+                prefill_step_size=prefill_step_size,
+                grammar=grammar,
+            )
             lookup = src.lookup
-        lookup.extend(self.predicted)   # before the prompt (prefill comes next): its continuations are the first occurrences
+        lookup.extend(
+            self.predicted
+        )  # before the prompt (prefill comes next): its continuations are the first occurrences
         return src

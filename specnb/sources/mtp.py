@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import deepseek_v3, glm4_moe, llama, qwen3_5, qwen3_next
 from mlx_lm.models.base import create_attention_mask
 from ..checkpoint import checkpoint_keys, read_config, read_tensors, write_checkpoint
+
 # their home before specnb.checkpoint: still importable from here
 from ..checkpoint import hub_file, on_hub, safetensors_names  # noqa: F401
 from ..caches.recurrent import tiny_hybrid
@@ -26,120 +27,192 @@ from .base import TargetView, output_head
 from .chain import HeadSource, check_head_target
 
 # %% ../../nbs/05n_mtp.ipynb #6379ccd2
-def checkpoint_config(path)->dict:
+def checkpoint_config(path) -> dict:
     "The checkpoint's `config.json` (its `text_config`, where it nests one), or {} without one."
     cfg = read_config(path) or {}
     return cfg.get("text_config") or cfg
 
 # %% ../../nbs/05n_mtp.ipynb #53cf9a4c
-DECODER_LAYERS = {"deepseek_v3": deepseek_v3.DeepseekV3DecoderLayer, "glm4_moe": glm4_moe.DecoderLayer,
-                  "llama": lambda args, i: llama.TransformerBlock(args),   # mlx-lm's llama layer takes no index
-                  "qwen3_next": qwen3_next.Qwen3NextDecoderLayer, "qwen3_5_text": qwen3_5.DecoderLayer, "qwen3_5_moe_text": qwen3_5.DecoderLayer}   # mlx-lm's decoder layer of each target whose MTP head is read
+DECODER_LAYERS = {
+    "deepseek_v3": deepseek_v3.DeepseekV3DecoderLayer,
+    "glm4_moe": glm4_moe.DecoderLayer,
+    "llama": lambda args, i: llama.TransformerBlock(args),  # mlx-lm's llama layer takes no index
+    "qwen3_next": qwen3_next.Qwen3NextDecoderLayer,
+    "qwen3_5_text": qwen3_5.DecoderLayer,
+    "qwen3_5_moe_text": qwen3_5.DecoderLayer,
+}  # mlx-lm's decoder layer of each target whose MTP head is read
+
 
 class MtpHead(nn.Module):
-    "What both layouts share: the target's last hidden state as the feature (after its final norm, or before), and a decoder stack with a cache per layer."
-    def __init__(self, target, post_norm:bool=True):
+    """What both layouts share: the target's last hidden state as the feature (after its final norm, or before), and a
+    decoder stack with a cache per layer."""
+
+    def __init__(self, target, post_norm: bool = True):
         super().__init__()
         self.post_norm = post_norm
-        object.__setattr__(self, "target_norm", target.model.norm)   # held, not owned: not one of the head's weights
+        object.__setattr__(self, "target_norm", target.model.norm)  # held, not owned: not one of the head's weights
 
     @property
-    def depth(self)->int: return len(self.layers)
+    def depth(self) -> int:
+        return len(self.layers)
 
-    def fuse(self, rows)->mx.array:
+    def fuse(self, rows) -> mx.array:
         "The feature of tapped rows (the target's last layer output): through the target's final norm for `post_norm`."
         return self.target_norm(rows) if self.post_norm else rows
 
-    def vocab_rows(self, model): return None   # an MTP head drafts over the whole vocabulary
+    def vocab_rows(self, model):
+        return None  # an MTP head drafts over the whole vocabulary
 
-    def logits(self, model, a, rows=None)->mx.array: return self.readout(model, a, rows)   # the name the head's trainer (05f) reads
+    def logits(self, model, a, rows=None) -> mx.array:
+        return self.readout(model, a, rows)  # the name the head's trainer (05f) reads
 
-    def decode(self, x, mask=None, cache=None)->mx.array:
-        "The decoder stack on `x`, each layer with its own cache (`cache.more` holds those after the first; a one-layer head takes any cache)."
+    def decode(self, x, mask=None, cache=None) -> mx.array:
+        """The decoder stack on `x`, each layer with its own cache (`cache.more` holds those after the first; a
+        one-layer head takes any cache)."""
         caches = [None] * self.depth if cache is None else [cache, *getattr(cache, "more", [])]
-        if isinstance(mask, str): mask = create_attention_mask(x, cache, return_array=True)   # MLA applies it to its rope scores: an array
-        for layer, c in zip(self.layers, caches): x = layer(x, mask, c)
+        if isinstance(mask, str):
+            mask = create_attention_mask(x, cache, return_array=True)  # MLA applies it to its rope scores: an array
+        for layer, c in zip(self.layers, caches):
+            x = layer(x, mask, c)
         return x
 
 # %% ../../nbs/05n_mtp.ipynb #33bf90c4
 class DeepseekMtp(MtpHead):
-    "DeepSeek-V3 / GLM-4.5 (and this layout for a llama target): h' = layer(eh_proj([enorm(E x); hnorm(h)])); logits = shared_head.head(shared_head.norm(h'))."
+    """DeepSeek-V3 / GLM-4.5 (and this layout for a llama target): h' = layer(eh_proj([enorm(E x); hnorm(h)])); logits =
+    shared_head.head(shared_head.norm(h'))."""
+
     archs = ("deepseek_v3", "glm4_moe", "llama")
-    def __init__(self, target, own_head:bool=True, own_embed:bool=True, post_norm:bool=True):
+
+    def __init__(self, target, own_head: bool = True, own_embed: bool = True, post_norm: bool = True):
         super().__init__(target, post_norm)
         a = target.args
         H, eps = a.hidden_size, a.rms_norm_eps
         self.enorm, self.hnorm = nn.RMSNorm(H, eps=eps), nn.RMSNorm(H, eps=eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
-        self.layers = [DECODER_LAYERS[a.model_type](a, a.num_hidden_layers)]   # the layer after the target's last
+        self.layers = [DECODER_LAYERS[a.model_type](a, a.num_hidden_layers)]  # the layer after the target's last
         self.shared_head = nn.Module()
         self.shared_head.norm = nn.RMSNorm(H, eps=eps)
-        if own_head: self.shared_head.head = nn.Linear(H, a.vocab_size, bias=False)
-        if own_embed: self.embed_tokens = nn.Embedding(a.vocab_size, H)
+        if own_head:
+            self.shared_head.head = nn.Linear(H, a.vocab_size, bias=False)
+        if own_embed:
+            self.embed_tokens = nn.Embedding(a.vocab_size, H)
 
-    def __call__(self, feature, embedding, mask=None, cache=None)->mx.array:
+    def __call__(self, feature, embedding, mask=None, cache=None) -> mx.array:
         x = self.eh_proj(mx.concatenate([self.enorm(embedding), self.hnorm(feature)], axis=-1))
         return self.decode(x, mask, cache)
 
-    def readout(self, model, a, rows=None)->mx.array:
+    def readout(self, model, a, rows=None) -> mx.array:
         x = self.shared_head.norm(a)
         return self.shared_head.head(x) if "head" in self.shared_head else output_head(model)(x)
 
 # %% ../../nbs/05n_mtp.ipynb #037b6797
 class QwenMtp(MtpHead):
     "Qwen3-Next and Qwen3.5: h' = norm(layers(fc([norm_e(E x); norm_h(h)]))); logits = the target's lm-head(h')."
+
     archs = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-    def __init__(self, target, depth:int=1, moe:bool=True, own_embed:bool=False, post_norm:bool=True):
+
+    def __init__(self, target, depth: int = 1, moe: bool = True, own_embed: bool = False, post_norm: bool = True):
         super().__init__(target, post_norm)
         a = target.args
         H, eps = a.hidden_size, a.rms_norm_eps
         # every MTP layer is full attention; MoE where the checkpoint has experts
-        full = dict(full_attention_interval=1, mlp_only_layers=[], decoder_sparse_step=1, num_experts=a.num_experts if moe else 0)
-        args = replace(a, **{k: v for k, v in full.items() if k in {f.name for f in fields(a)}})   # Qwen3.5's arguments have no mlp_only_layers
+        full = dict(
+            full_attention_interval=1,
+            mlp_only_layers=[],
+            decoder_sparse_step=1,
+            num_experts=a.num_experts if moe else 0,
+        )
+        args = replace(
+            a, **{k: v for k, v in full.items() if k in {f.name for f in fields(a)}}
+        )  # Qwen3.5's arguments have no mlp_only_layers
         self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=eps), nn.RMSNorm(H, eps=eps)
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.layers = [DECODER_LAYERS[a.model_type](args, i) for i in range(depth)]
         self.norm = nn.RMSNorm(H, eps=eps)
-        if own_embed: self.embed_tokens = nn.Embedding(a.vocab_size, H)
+        if own_embed:
+            self.embed_tokens = nn.Embedding(a.vocab_size, H)
 
-    def __call__(self, feature, embedding, mask=None, cache=None)->mx.array:
+    def __call__(self, feature, embedding, mask=None, cache=None) -> mx.array:
         x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(embedding), self.pre_fc_norm_hidden(feature)], axis=-1))
         return self.norm(self.decode(x, mask, cache))
 
-    def readout(self, model, a, rows=None)->mx.array: return output_head(model)(a)
+    def readout(self, model, a, rows=None) -> mx.array:
+        return output_head(model)(a)
+
 
 MTP_HEADS = {arch: cls for cls in (DeepseekMtp, QwenMtp) for arch in cls.archs}
 
 # %% ../../nbs/05n_mtp.ipynb #55e6dd58
-_MOE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-            routed_scaling_factor=1.0, max_position_embeddings=512, rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=False)
-TINY_MTP = {"deepseek_v3": dict(_MOE, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16),
-            "glm4_moe": dict(_MOE, head_dim=16, norm_topk_prob=True, rope_scaling=None, use_qk_norm=True, attention_bias=False,
-                             partial_rotary_factor=0.5),
-            "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=False)}
+_MOE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=1.0,
+    max_position_embeddings=512,
+    rope_theta=1e4,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+TINY_MTP = {
+    "deepseek_v3": dict(_MOE, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16),
+    "glm4_moe": dict(
+        _MOE,
+        head_dim=16,
+        norm_topk_prob=True,
+        rope_scaling=None,
+        use_qk_norm=True,
+        attention_bias=False,
+        partial_rotary_factor=0.5,
+    ),
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        tie_word_embeddings=False,
+    ),
+}
 
-def tiny_mtp_target(arch:str,         # deepseek_v3, glm4_moe, llama, qwen3_next or qwen3_5
-                    seed:int=0,        # weights are drawn from this seed
-                    scale:float=3.0,   # multiplies the logits (peakier: fewer near-ties under greedy)
-                    **config,          # config keys to change (e.g. `vocab_size=16`)
-                   ):
-    "A random two-layer mlx-lm `arch` target (fp32) whose MTP head this notebook can read (llama: a dense one, for the DeepSeek layout); qwen3_next is `tiny_hybrid`'s."
-    if arch in ("qwen3_next", "qwen3_5"): model = tiny_hybrid(arch, seed, **config)
+
+def tiny_mtp_target(
+    arch: str,  # deepseek_v3, glm4_moe, llama, qwen3_next or qwen3_5
+    seed: int = 0,  # weights are drawn from this seed
+    scale: float = 3.0,  # multiplies the logits (peakier: fewer near-ties under greedy)
+    **config,  # config keys to change (e.g. `vocab_size=16`)
+):
+    """A random two-layer mlx-lm `arch` target (fp32) whose MTP head this notebook can read (llama: a dense one, for the
+    DeepSeek layout); qwen3_next is `tiny_hybrid`'s."""
+    if arch in ("qwen3_next", "qwen3_5"):
+        model = tiny_hybrid(arch, seed, **config)
     else:
-        if arch not in TINY_MTP: raise ValueError(f"unknown MTP target {arch!r}; choose one of {sorted(MTP_HEADS)}")
+        if arch not in TINY_MTP:
+            raise ValueError(f"unknown MTP target {arch!r}; choose one of {sorted(MTP_HEADS)}")
         module = {"deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe, "llama": llama}[arch]
         mx.random.seed(seed)
-        model = module.Model(module.ModelArgs.from_dict({"model_type": arch, "vocab_size": 128, **TINY_MTP[arch], **config}))
+        model = module.Model(
+            module.ModelArgs.from_dict({"model_type": arch, "vocab_size": 128, **TINY_MTP[arch], **config})
+        )
         model.set_dtype(mx.float32)
     text_model(model).model.norm.weight = text_model(model).model.norm.weight * scale
     mx.eval(model.parameters())
     return model
 
 # %% ../../nbs/05n_mtp.ipynb #b232bbf3
-def stack_experts(w:dict)->dict:
-    "`…mlp.experts.{e}.{proj}.weight` (one tensor per expert, as checkpoints store them) stacked into mlx-lm's `…mlp.switch_mlp.{proj}.weight`."
+def stack_experts(w: dict) -> dict:
+    """`…mlp.experts.{e}.{proj}.weight` (one tensor per expert, as checkpoints store them) stacked into mlx-lm's
+    `…mlp.switch_mlp.{proj}.weight`."""
     out, experts = {}, {}
     for k, v in w.items():
         if ".mlp.experts." not in k:
@@ -148,48 +221,76 @@ def stack_experts(w:dict)->dict:
         layer, rest = k.split(".mlp.experts.")
         e, proj = rest.split(".")[:2]
         experts.setdefault(f"{layer}.mlp.switch_mlp.{proj}.weight", {})[int(e)] = v
-    for k, es in experts.items(): out[k] = mx.stack([es[e] for e in range(len(es))])
+    for k, es in experts.items():
+        out[k] = mx.stack([es[e] for e in range(len(es))])
     return out
 
-ZERO_CENTRED = ("norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")   # every RMSNorm of a Qwen MTP block
 
-def qwen_weights(target, tensors:dict, prefix:str="mtp.")->dict:
-    "Qwen MTP tensors as `QwenMtp` names them: `mtp.` dropped, zero-centred norms (stored as w - 1) back to w, experts stacked."
+ZERO_CENTRED = (
+    "norm.weight",
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+)  # every RMSNorm of a Qwen MTP block
+
+
+def qwen_weights(target, tensors: dict, prefix: str = "mtp.") -> dict:
+    """Qwen MTP tensors as `QwenMtp` names them: `mtp.` dropped, zero-centred norms (stored as w - 1) back to w, experts
+    stacked."""
     w = {k.removeprefix(prefix): v for k, v in tensors.items()}
     return stack_experts({k: v + 1.0 if k.endswith(ZERO_CENTRED) and v.ndim == 1 else v for k, v in w.items()})
 
-DEEPSEEK_OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")   # the MTP module's own tensors; the rest is its decoder layer
 
-def deepseek_weights(target, tensors:dict, prefix:str)->dict:
-    "DeepSeek-layout MTP tensors (under `prefix`) as `DeepseekMtp` names them, converted by the target's own `sanitize`."
-    # sanitize converts a decoder layer (fp8 to bf16, experts stacked, kv_b_proj split) but drops the MTP layer: hand it over as layer 0
+DEEPSEEK_OWN = (
+    "enorm",
+    "hnorm",
+    "eh_proj",
+    "shared_head",
+    "embed_tokens",
+)  # the MTP module's own tensors; the rest is its decoder layer
+
+
+def deepseek_weights(target, tensors: dict, prefix: str) -> dict:
+    """DeepSeek-layout MTP tensors (under `prefix`) as `DeepseekMtp` names them, converted by the target's own
+    `sanitize`."""
+    # sanitize converts a decoder layer (fp8 to bf16, experts stacked, kv_b_proj split) but drops the MTP layer: hand it
+    # over as layer 0
     w = target.sanitize({"model.layers.0." + k.removeprefix(prefix): v for k, v in tensors.items()})
     w = {k.removeprefix("model.layers.0."): v for k, v in w.items()}
     return {k if k.startswith(DEEPSEEK_OWN) else "layers.0." + k: v for k, v in w.items()}
 
-def head_options(head_cls, w:dict)->dict:
+
+def head_options(head_cls, w: dict) -> dict:
     "The constructor options of `head_cls` that the converted weights `w` imply."
-    if head_cls is DeepseekMtp: return dict(own_head="shared_head.head.weight" in w, own_embed="embed_tokens.weight" in w)
-    return dict(depth=len({k.split(".")[1] for k in w if k.startswith("layers.")}), moe=any(".switch_mlp." in k for k in w),
-                own_embed="embed_tokens.weight" in w)
+    if head_cls is DeepseekMtp:
+        return dict(own_head="shared_head.head.weight" in w, own_embed="embed_tokens.weight" in w)
+    return dict(
+        depth=len({k.split(".")[1] for k in w if k.startswith("layers.")}),
+        moe=any(".switch_mlp." in k for k in w),
+        own_embed="embed_tokens.weight" in w,
+    )
 
 # %% ../../nbs/05n_mtp.ipynb #eb941607
-def checkpoint_tensors(head:MtpHead, target)->dict:
+def checkpoint_tensors(head: MtpHead, target) -> dict:
     "`head`'s weights named and shaped as the target's original checkpoint stores them (the inverse of loading)."
     w = {}
     for k, v in tree_flatten(head.parameters()):
-        if ".switch_mlp." in k: w.update({k.replace(".switch_mlp.", f".experts.{e}."): v[e] for e in range(v.shape[0])})
-        else: w[k] = v
-    if isinstance(head, QwenMtp): return {"mtp." + k: v - 1.0 if k.endswith(ZERO_CENTRED) and v.ndim == 1 else v for k, v in w.items()}
+        if ".switch_mlp." in k:
+            w.update({k.replace(".switch_mlp.", f".experts.{e}."): v[e] for e in range(v.shape[0])})
+        else:
+            w[k] = v
+    if isinstance(head, QwenMtp):
+        return {"mtp." + k: v - 1.0 if k.endswith(ZERO_CENTRED) and v.ndim == 1 else v for k, v in w.items()}
     q = "layers.0.self_attn."
-    if q + "embed_q.weight" in w:   # MLA: mlx-lm splits the checkpoint's kv_b_proj into embed_q and unembed_out
+    if q + "embed_q.weight" in w:  # MLA: mlx-lm splits the checkpoint's kv_b_proj into embed_q and unembed_out
         wk, wv = w.pop(q + "embed_q.weight"), w.pop(q + "unembed_out.weight")
         w[q + "kv_b_proj.weight"] = mx.concatenate([wk.swapaxes(-1, -2), wv], axis=1).reshape(-1, wk.shape[1])
     N = text_model(target).args.num_hidden_layers
     return {f"model.layers.{N}." + k.removeprefix("layers.0."): v for k, v in w.items()}
 
-def random_mtp_checkpoint(target, path, seed:int=0, noise:float=0.05, **options)->Path:
-    "Write a random MTP head for `target` into the folder `path` as its original checkpoint would hold it (tests); `options`: the head's."
+
+def random_mtp_checkpoint(target, path, seed: int = 0, noise: float = 0.05, **options) -> Path:
+    """Write a random MTP head for `target` into the folder `path` as its original checkpoint would hold it (tests);
+    `options`: the head's."""
     mx.random.seed(seed)
     target = text_model(target)
     head = MTP_HEADS[arch_name(target)](target, **options)
@@ -198,48 +299,70 @@ def random_mtp_checkpoint(target, path, seed:int=0, noise:float=0.05, **options)
     return write_checkpoint(path, config, checkpoint_tensors(head, target), indent=None, metadata=None)
 
 # %% ../../nbs/05n_mtp.ipynb #69ab514a
-def check_mtp_target(model)->int:
-    "The target layer the MTP head reads (its last); a `ValueError` naming the architecture where native MTP cannot draft for `model`."
+def check_mtp_target(model) -> int:
+    """The target layer the MTP head reads (its last); a `ValueError` naming the architecture where native MTP cannot
+    draft for `model`."""
     arch = arch_name(text_model(model))
-    if arch not in MTP_HEADS: raise ValueError(f"native MTP drafting reads {', '.join(MTP_HEADS)} targets, not {arch}")
+    if arch not in MTP_HEADS:
+        raise ValueError(f"native MTP drafting reads {', '.join(MTP_HEADS)} targets, not {arch}")
     last = text_model(model).args.num_hidden_layers - 1
     check_head_target(model, [last])
     return last
 
-def misfit(path, field, there, here)->ValueError:
+
+def misfit(path, field, there, here) -> ValueError:
     "The one-line refusal of weights at `path` whose `field` is `there`, where the target has `here`."
     return ValueError(f"MTP weights in {path} do not fit the target: {field} is {there} there, {here} in the target")
 
-def mtp_prefix(path, names, target)->str:
-    "Where the MTP tensors sit among a checkpoint's tensor `names`; a `ValueError` saying why there are none for `target`."
+
+def mtp_prefix(path, names, target) -> str:
+    """Where the MTP tensors sit among a checkpoint's tensor `names`; a `ValueError` saying why there are none for
+    `target`."""
     N = target.args.num_hidden_layers
-    if MTP_HEADS[arch_name(target)] is QwenMtp: prefix = "mtp."
+    if MTP_HEADS[arch_name(target)] is QwenMtp:
+        prefix = "mtp."
     else:
-        at = sorted({int(k.split(".")[2]) for k in names if k.startswith("model.layers.") and k.endswith(".eh_proj.weight")})
-        if at and N not in at: raise misfit(path, "num_hidden_layers", at[0], N)   # the MTP layer comes right after the last
+        at = sorted(
+            {int(k.split(".")[2]) for k in names if k.startswith("model.layers.") and k.endswith(".eh_proj.weight")}
+        )
+        if at and N not in at:
+            raise misfit(path, "num_hidden_layers", at[0], N)  # the MTP layer comes right after the last
         prefix = f"model.layers.{N}."
     if not any(k.startswith(prefix) for k in names):
-        raise ValueError(f"no MTP weights in {path}: mlx-community conversions drop them; point at the original checkpoint")
+        raise ValueError(
+            f"no MTP weights in {path}: mlx-community conversions drop them; point at the original checkpoint"
+        )
     return prefix
 
-def check_fit(path, target, cfg:dict, w:dict):
-    "Refuse, naming the field and both values, a checkpoint whose config or converted MTP tensors `w` do not fit `target`."
+
+def check_fit(path, target, cfg: dict, w: dict):
+    """Refuse, naming the field and both values, a checkpoint whose config or converted MTP tensors `w` do not fit
+    `target`."""
     a = target.args
     for field in ("hidden_size", "vocab_size", "num_hidden_layers"):
-        if field in cfg and cfg[field] != getattr(a, field): raise misfit(path, field, cfg[field], getattr(a, field))
+        if field in cfg and cfg[field] != getattr(a, field):
+            raise misfit(path, field, cfg[field], getattr(a, field))
     H, V = a.hidden_size, a.vocab_size
-    want = {"eh_proj.weight": (H, 2 * H), "fc.weight": (H, 2 * H), "embed_tokens.weight": (V, H), "shared_head.head.weight": (V, H)}
+    want = {
+        "eh_proj.weight": (H, 2 * H),
+        "fc.weight": (H, 2 * H),
+        "embed_tokens.weight": (V, H),
+        "shared_head.head.weight": (V, H),
+    }
     for k, shape in want.items():
-        if k in w and tuple(w[k].shape) != shape: raise misfit(path, f"the shape of {k}", list(w[k].shape), list(shape))
+        if k in w and tuple(w[k].shape) != shape:
+            raise misfit(path, f"the shape of {k}", list(w[k].shape), list(shape))
 
 # %% ../../nbs/05n_mtp.ipynb #9a742db1
-def load_mtp(path,                 # the target's original checkpoint: a folder of safetensors (or one file)
-             target,               # the target, an mlx-lm model
-             post_norm:bool=True,  # features after the target's final norm (vLLM, mlx-vlm); False: before it
-            )->MtpHead:
-    "The MTP head published in the checkpoint at `path`, built for `target`; a one-line `ValueError` where it does not fit."
+def load_mtp(
+    path,  # the target's original checkpoint: a folder of safetensors (or one file)
+    target,  # the target, an mlx-lm model
+    post_norm: bool = True,  # features after the target's final norm (vLLM, mlx-vlm); False: before it
+) -> MtpHead:
+    """The MTP head published in the checkpoint at `path`, built for `target`; a one-line `ValueError` where it does not
+    fit."""
     check_mtp_target(target)
-    target = text_model(target)   # Qwen3.5: its language model
+    target = text_model(target)  # Qwen3.5: its language model
     where = checkpoint_keys(path)
     prefix = mtp_prefix(path, where, target)
     head_cls = MTP_HEADS[arch_name(target)]
@@ -247,25 +370,44 @@ def load_mtp(path,                 # the target's original checkpoint: a folder 
     w = convert(target, read_tensors(where, [k for k in where if k.startswith(prefix)]), prefix)
     check_fit(path, target, checkpoint_config(path), w)
     head = head_cls(target, **head_options(head_cls, w), post_norm=post_norm)
-    try: head.load_weights(list(w.items()))   # strict: every weight present, no stray ones
-    except ValueError as e: raise ValueError(f"MTP weights in {path} do not fit the target: {' '.join(str(e).split())}") from None
-    if text_model(target).model.embed_tokens.weight.dtype == mx.float32: head.set_dtype(mx.float32)   # upcast only: float16 is slow on a CPU
+    try:
+        head.load_weights(list(w.items()))  # strict: every weight present, no stray ones
+    except ValueError as e:
+        raise ValueError(f"MTP weights in {path} do not fit the target: {' '.join(str(e).split())}") from None
+    if text_model(target).model.embed_tokens.weight.dtype == mx.float32:
+        head.set_dtype(mx.float32)  # upcast only: float16 is slow on a CPU
     mx.eval(head.parameters())
     return head
 
 # %% ../../nbs/05n_mtp.ipynb #52014ef0
 class MtpProvider:
-    "Drafting with the MTP head published inside the target's own checkpoint; each request gets a `HeadSource` on the target's last layer."
-    def __init__(self, path,               # the target's original checkpoint (mlx-community conversions drop the MTP weights)
-                 post_norm:bool=True):     # features after the target's final norm; False: before it
+    """Drafting with the MTP head published inside the target's own checkpoint; each request gets a `HeadSource` on the
+    target's last layer."""
+
+    def __init__(
+        self,
+        path,  # the target's original checkpoint (mlx-community conversions drop the MTP weights)
+        post_norm: bool = True,
+    ):  # features after the target's final norm; False: before it
         self.path, self.post_norm, self.head, self.model = path, post_norm, None, None
-        checkpoint_keys(path)   # a wrong path is refused before any model loads
+        checkpoint_keys(path)  # a wrong path is refused before any model loads
 
     def check(self, model):
         "Load the head for `model` (once), or raise `ValueError` naming what does not fit (call at start-up)."
-        if self.model is not model: self.head, self.model = load_mtp(self.path, model, self.post_norm), model
+        if self.model is not model:
+            self.head, self.model = load_mtp(self.path, model, self.post_norm), model
 
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->HeadSource:
-        if target is None: raise ValueError("the MTP source reads the target: open it with target=TargetView(model, cache)")
+    def open(
+        self,
+        sampler=None,
+        logits_processors=None,
+        target: TargetView | None = None,
+        prefill_step_size=2048,
+        grammar=None,
+    ) -> HeadSource:
+        if target is None:
+            raise ValueError("the MTP source reads the target: open it with target=TargetView(model, cache)")
         self.check(target.model)
-        return HeadSource(self.head, target, sampler, grammar, tap_layers=[text_model(target.model).args.num_hidden_layers - 1])
+        return HeadSource(
+            self.head, target, sampler, grammar, tap_layers=[text_model(target.model).args.num_hidden_layers - 1]
+        )

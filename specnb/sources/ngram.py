@@ -13,6 +13,7 @@ from .base import TargetView
 # %% ../../nbs/05b_ngram.ipynb #09d1a5c1
 class NgramSource:
     "Per-request prompt lookup over the prompt and the kept tokens."
+
     tap_layers = None
 
     def __init__(self, max_ngram=3, min_ngram=1, match="recent"):
@@ -28,9 +29,10 @@ class NgramSource:
             for k in range(self.min_ngram, min(self.max_ngram, len(h)) + 1):
                 idx.setdefault(tuple(h[-k:]), []).append(end)
 
-    def prefill(self, prompt_ids, ctx=None): self.extend(list(prompt_ids)[:-1])
+    def prefill(self, prompt_ids, ctx=None):
+        self.extend(list(prompt_ids)[:-1])
 
-    def lookup(self, n:int)->list:
+    def lookup(self, n: int) -> list:
         "Up to `n` tokens that followed the longest earlier occurrence of the history's trailing k-gram."
         h = self.history
         for k in range(min(self.max_ngram, len(h)), self.min_ngram - 1, -1):
@@ -48,19 +50,35 @@ class NgramSource:
     def commit(self, d, k):
         self.extend(self.last[: min(k, d - 1)])  # the last kept draft (if all were kept) comes back in the feed
 
-    def save(self, held, anchor_hidden=None): return []   # nothing worth keeping: prefill rebuilds the index from the prompt
-    def draft_logprobs(self): return None   # a lookup has no distribution: the round falls back to exact match
-    def close(self): self.history, self.index, self.last = [], {}, []
+    def save(self, held, anchor_hidden=None):
+        return []  # nothing worth keeping: prefill rebuilds the index from the prompt
+
+    def draft_logprobs(self):
+        return None  # a lookup has no distribution: the round falls back to exact match
+
+    def close(self):
+        self.history, self.index, self.last = [], {}, []
 
 # %% ../../nbs/05b_ngram.ipynb #de1419cb
 class NgramProvider:
     "Prompt-lookup drafting: no weights; each request gets its own `NgramSource`."
-    def __init__(self, max_ngram:int=3, min_ngram:int=1, match:str="recent"):
-        if not 1 <= min_ngram <= max_ngram: raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
-        if match not in ("recent", "first"): raise ValueError(f"match must be 'recent' or 'first', got {match!r}")
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, match: str = "recent"):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        if match not in ("recent", "first"):
+            raise ValueError(f"match must be 'recent' or 'first', got {match!r}")
         self.max_ngram, self.min_ngram, self.match = max_ngram, min_ngram, match
 
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->NgramSource:
-        # a grammar changes nothing here: cutting a proposal at its first forbidden token keeps the same drafts (the walk
-        # stops there anyway) and costs a mask fill per token — 0.78x decode speed when measured (the grammar notebook)
+    def open(
+        self,
+        sampler=None,
+        logits_processors=None,
+        target: TargetView | None = None,
+        prefill_step_size=2048,
+        grammar=None,
+    ) -> NgramSource:
+        # a grammar changes nothing here: cutting a proposal at its first forbidden token keeps the same drafts (the
+        # walk stops there anyway) and costs a mask fill per token — 0.78x decode speed when measured (the grammar
+        # notebook)
         return NgramSource(self.max_ngram, self.min_ngram, self.match)

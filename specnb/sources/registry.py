@@ -14,173 +14,291 @@ import importlib
 from dataclasses import dataclass
 
 # %% ../../nbs/05l_registry.ipynb #113900b0
-OPTIONS = {"draft_model": "--draft-model", "draft_p_min": "--draft-p-min", "ngram_min": "--ngram-min", "ngram_max": "--ngram-max",
-           "exit_layer": "--exit-layer", "draft_head": "--draft-head"}   # the draft options, as the API and as the command line spell them
+OPTIONS = {
+    "draft_model": "--draft-model",
+    "draft_p_min": "--draft-p-min",
+    "ngram_min": "--ngram-min",
+    "ngram_max": "--ngram-max",
+    "exit_layer": "--exit-layer",
+    "draft_head": "--draft-head",
+}  # the draft options, as the API and as the command line spell them
+
 
 @dataclass(frozen=True)
 class DraftKind:
     "One way to draft: its name, `make(draft, **options)` building its provider, and the options it reads."
-    name: str
-    make: object               # make(draft, **options) -> a DraftProvider, or None (plain decoding); draft: the loaded draft model or None
-    reads: tuple = ()          # the keys of OPTIONS that `make` takes (a draft model is `needs_draft`)
-    needs_draft: bool = False  # drafts with a second model, loaded from `--draft-model`
-    reads_layers: bool = False # reads the target's own layers (its hidden states): cannot follow a target that --pipeline spreads over ranks
-    in_target: bool = False    # its checkpoint is the target's own (native MTP layers): `--draft-model` defaults to `--model`
 
-    def takes(self, option:str)->bool:
+    name: str
+    # make(draft, **options) -> a DraftProvider, or None (plain decoding); draft: the loaded draft model or None
+    make: object
+    reads: tuple = ()  # the keys of OPTIONS that `make` takes (a draft model is `needs_draft`)
+    needs_draft: bool = False  # drafts with a second model, loaded from `--draft-model`
+    # reads the target's own layers (its hidden states): cannot follow a target that --pipeline spreads over ranks
+    reads_layers: bool = False
+    in_target: bool = (
+        False  # its checkpoint is the target's own (native MTP layers): `--draft-model` defaults to `--model`
+    )
+
+    def takes(self, option: str) -> bool:
         "Does this kind read `option` (a key of `OPTIONS`)?"
         return option in self.reads or (option == "draft_model" and self.needs_draft)
 
-    def pick(self, **options)->dict:
-        "The `options` this kind reads, the rest left out (for a caller that holds settings for several kinds, like the bench)."
+    def pick(self, **options) -> dict:
+        """The `options` this kind reads, the rest left out (for a caller that holds settings for several kinds, like
+        the bench)."""
         return {o: v for o, v in options.items() if o in self.reads}
 
 # %% ../../nbs/05l_registry.ipynb #354cf735
-def _given(**kw)->dict: return {k: v for k, v in kw.items() if v is not None}
+def _given(**kw) -> dict:
+    return {k: v for k, v in kw.items() if v is not None}
+
 
 def _two_model(draft, draft_p_min=None):
     from specnb.sources.two_model import TwoModelProvider
+
     return TwoModelProvider(draft, p_min=draft_p_min)
+
 
 def _ngram(draft, ngram_min=None, ngram_max=None):
     from specnb.sources.ngram import NgramProvider
+
     return NgramProvider(**_given(min_ngram=ngram_min, max_ngram=ngram_max))
+
 
 def _early_exit(draft, exit_layer=None):
     from specnb.sources.early_exit import EarlyExitProvider
+
     return EarlyExitProvider(**_given(exit_layer=exit_layer))
+
 
 def _head(draft, draft_head=None):
     from specnb.sources.chain import HeadProvider
-    return HeadProvider(draft_head)   # None: the head shipped for the bundled target
 
-def _published(module:str, cls:str, what:str, where:str="--draft-model (a folder or hub id)", **rename):
-    "`make` for a kind that reads a published checkpoint: `specnb.sources.{module}.{cls}(draft_model, **options)`, options renamed by `rename`."
+    return HeadProvider(draft_head)  # None: the head shipped for the bundled target
+
+
+def _published(module: str, cls: str, what: str, where: str = "--draft-model (a folder or hub id)", **rename):
+    """`make` for a kind that reads a published checkpoint: `specnb.sources.{module}.{cls}(draft_model, **options)`,
+    options renamed by `rename`."""
+
     def make(draft, draft_model=None, **options):
-        if draft_model is None: raise ValueError(f"{module} drafting reads {what}: give it with {where}")
-        provider = getattr(importlib.import_module(f"specnb.sources.{module}"), cls)   # imported when asked for: each pulls in its own formats
-        return provider(draft_model, **{rename.get(k, k): v for k, v in options.items()})   # a folder, a hub id, or a loaded drafter
+        if draft_model is None:
+            raise ValueError(f"{module} drafting reads {what}: give it with {where}")
+        provider = getattr(
+            importlib.import_module(f"specnb.sources.{module}"), cls
+        )  # imported when asked for: each pulls in its own formats
+        return provider(
+            draft_model, **{rename.get(k, k): v for k, v in options.items()}
+        )  # a folder, a hub id, or a loaded drafter
+
     return make
 
-_eagle3 = _published("eagle3", "Eagle3Provider", "a published EAGLE-3 checkpoint")
-_mtp = _published("mtp", "MtpProvider", "the MTP layers in the target's original checkpoint", "--model (or --draft-model)")
-_assistant = _published("assistant", "AssistantProvider", "a published Gemma 4 assistant checkpoint")
-_dflash = _published("dflash", "DFlashProvider", "a published DFlash checkpoint", draft_p_min="p_min")   # p_min: the block is cut before its first unsure position
 
-def behind_lookup(kind:DraftKind)->DraftKind:
+_eagle3 = _published("eagle3", "Eagle3Provider", "a published EAGLE-3 checkpoint")
+_mtp = _published(
+    "mtp", "MtpProvider", "the MTP layers in the target's original checkpoint", "--model (or --draft-model)"
+)
+_assistant = _published("assistant", "AssistantProvider", "a published Gemma 4 assistant checkpoint")
+_dflash = _published(
+    "dflash", "DFlashProvider", "a published DFlash checkpoint", draft_p_min="p_min"
+)  # p_min: the block is cut before its first unsure position
+
+
+def behind_lookup(kind: DraftKind) -> DraftKind:
     "`kind` behind prompt lookup: `{name}+lookup`, reading its options and the n-gram lengths."
+
     def make(draft, ngram_min=None, ngram_max=None, **options):
         from specnb.sources.lookup_first import LookupFirstProvider
-        return LookupFirstProvider(kind.make(draft, **options), **_given(min_ngram=ngram_min, max_ngram=ngram_max))
-    return DraftKind(f"{kind.name}+lookup", make, kind.reads + ("ngram_min", "ngram_max"), kind.needs_draft, kind.reads_layers, kind.in_target)
 
-_MODEL_KINDS = [DraftKind("two-model", _two_model, ("draft_p_min",), needs_draft=True), DraftKind("early-exit", _early_exit, ("exit_layer",), reads_layers=True),
-                DraftKind("head", _head, ("draft_head",), reads_layers=True), DraftKind("eagle3", _eagle3, ("draft_model",), reads_layers=True),
-                DraftKind("mtp", _mtp, ("draft_model",), reads_layers=True, in_target=True),
-                DraftKind("assistant", _assistant, ("draft_model",), reads_layers=True),
-                DraftKind("dflash", _dflash, ("draft_model", "draft_p_min"), reads_layers=True)]
-KINDS = {k.name: k for k in [_MODEL_KINDS[0], DraftKind("ngram", _ngram, ("ngram_min", "ngram_max")), *_MODEL_KINDS[1:],
-                             DraftKind("none", lambda draft: None), *map(behind_lookup, _MODEL_KINDS)]}
+        return LookupFirstProvider(kind.make(draft, **options), **_given(min_ngram=ngram_min, max_ngram=ngram_max))
+
+    return DraftKind(
+        f"{kind.name}+lookup",
+        make,
+        kind.reads + ("ngram_min", "ngram_max"),
+        kind.needs_draft,
+        kind.reads_layers,
+        kind.in_target,
+    )
+
+
+_MODEL_KINDS = [
+    DraftKind("two-model", _two_model, ("draft_p_min",), needs_draft=True),
+    DraftKind("early-exit", _early_exit, ("exit_layer",), reads_layers=True),
+    DraftKind("head", _head, ("draft_head",), reads_layers=True),
+    DraftKind("eagle3", _eagle3, ("draft_model",), reads_layers=True),
+    DraftKind("mtp", _mtp, ("draft_model",), reads_layers=True, in_target=True),
+    DraftKind("assistant", _assistant, ("draft_model",), reads_layers=True),
+    DraftKind("dflash", _dflash, ("draft_model", "draft_p_min"), reads_layers=True),
+]
+KINDS = {
+    k.name: k
+    for k in [
+        _MODEL_KINDS[0],
+        DraftKind("ngram", _ngram, ("ngram_min", "ngram_max")),
+        *_MODEL_KINDS[1:],
+        DraftKind("none", lambda draft: None),
+        *map(behind_lookup, _MODEL_KINDS),
+    ]
+}
 
 # %% ../../nbs/05l_registry.ipynb #6c632283
-def find_kind(name:str)->DraftKind:
+def find_kind(name: str) -> DraftKind:
     "The registry entry for `name`, or a `ValueError` listing the kinds."
-    if name not in KINDS: raise ValueError(f"unknown draft kind {name!r}; choose one of {', '.join(KINDS)}")
+    if name not in KINDS:
+        raise ValueError(f"unknown draft kind {name!r}; choose one of {', '.join(KINDS)}")
     return KINDS[name]
 
-def unread_options(kinds:list, options:dict)->list:
-    "The `options` given (not None or False) that none of `kinds` reads."
-    return [o for o, v in options.items() if v is not None and v is not False and not any(find_kind(k).takes(o) for k in kinds)]
 
-def refuse_unread(kinds:list, options:dict):
+def unread_options(kinds: list, options: dict) -> list:
+    "The `options` given (not None or False) that none of `kinds` reads."
+    return [
+        o
+        for o, v in options.items()
+        if v is not None and v is not False and not any(find_kind(k).takes(o) for k in kinds)
+    ]
+
+
+def refuse_unread(kinds: list, options: dict):
     "A `ValueError` for the first option given that none of `kinds` reads, naming the kinds that would."
     bad = unread_options(kinds, options)
-    if not bad: return
+    if not bad:
+        return
     readers = [k.name for k in KINDS.values() if k.takes(bad[0])]
-    raise ValueError(f"{OPTIONS[bad[0]]} is read only by {', '.join(readers)} drafting; it would be ignored with {', '.join(kinds)}")
+    raise ValueError(
+        f"{OPTIONS[bad[0]]} is read only by {', '.join(readers)} drafting; it would be ignored with {', '.join(kinds)}"
+    )
 
 # %% ../../nbs/05l_registry.ipynb #14acd05a
-def make_provider(kind:str,                # a key of KINDS
-                  draft=None,              # the draft model, for a kind that drafts with one (`needs_draft`)
-                  *,
-                  target=None,             # the target: check now that the provider can serve it
-                  adaptive:bool=False,     # adapt the draft length per round, up to the executor's num_draft_tokens
-                  num_draft_tokens:int=3,  # γ, for `adaptive`'s starting length
-                  **options,               # keys of OPTIONS (None: the provider's default)
-                 ):
+def make_provider(
+    kind: str,  # a key of KINDS
+    draft=None,  # the draft model, for a kind that drafts with one (`needs_draft`)
+    *,
+    target=None,  # the target: check now that the provider can serve it
+    adaptive: bool = False,  # adapt the draft length per round, up to the executor's num_draft_tokens
+    num_draft_tokens: int = 3,  # γ, for `adaptive`'s starting length
+    **options,  # keys of OPTIONS (None: the provider's default)
+):
     "The provider for draft kind `kind`: an option it would ignore is a `ValueError`."
     k = find_kind(kind)
     refuse_unread([kind], dict(options, draft_model=draft))
-    if k.needs_draft and draft is None: raise ValueError(f"{kind} drafting needs a draft model sharing the target's tokenizer")
+    if k.needs_draft and draft is None:
+        raise ValueError(f"{kind} drafting needs a draft model sharing the target's tokenizer")
     provider = k.make(draft, **_given(**options))
-    if target is not None and hasattr(provider, "check"): provider.check(target)
-    if not adaptive: return provider
-    if provider is None: raise ValueError(f"--adaptive adapts the length of a draft; {kind} drafts nothing")
+    if target is not None and hasattr(provider, "check"):
+        provider.check(target)
+    if not adaptive:
+        return provider
+    if provider is None:
+        raise ValueError(f"--adaptive adapts the length of a draft; {kind} drafts nothing")
     from specnb.sources.adaptive import AdaptiveProvider
+
     return AdaptiveProvider(provider, start=min(3, num_draft_tokens))
 
 # %% ../../nbs/05l_registry.ipynb #adc7df6c
-def published_kind(path)->str|None:
-    "The kind of the published drafter checkpoint at `path` (a folder or hub id) — `eagle3`, `assistant` or `dflash` — or None (an mlx-lm draft model, or nothing readable)."
+def published_kind(path) -> str | None:
+    """The kind of the published drafter checkpoint at `path` (a folder or hub id) — `eagle3`, `assistant` or `dflash` —
+    or None (an mlx-lm draft model, or nothing readable)."""
     from specnb.checkpoint import read_config
     from specnb.sources.eagle3 import is_eagle3
     from specnb.sources.assistant import MODEL_TYPE
     from specnb.sources.dflash import is_dflash
-    try: cfg = read_config(path)
-    except (OSError, ValueError): return None   # not here or not reachable: the loader says why
-    if is_dflash(cfg): return "dflash"   # before EAGLE-3: a DFlash config is a Qwen3 one with its own fields
+
+    try:
+        cfg = read_config(path)
+    except (OSError, ValueError):
+        return None  # not here or not reachable: the loader says why
+    if is_dflash(cfg):
+        return "dflash"  # before EAGLE-3: a DFlash config is a Qwen3 one with its own fields
     return "eagle3" if is_eagle3(cfg) else "assistant" if (cfg or {}).get("model_type") == MODEL_TYPE else None
 
-def draft_kind(model, draft_model, kind=None, draft_head=None, lookup_first:bool=False)->str:
-    "The draft kind for these arguments: `kind`, or the one they imply; `lookup_first` puts prompt lookup in front of it."
-    if kind is None and draft_head: kind = "head"
-    elif kind is None and draft_model: kind = published_kind(draft_model) or "two-model"   # its config says which
-    elif kind is None: kind = "ngram" if model else "two-model"   # a target of one's own: lookup works with any
+
+def draft_kind(model, draft_model, kind=None, draft_head=None, lookup_first: bool = False) -> str:
+    """The draft kind for these arguments: `kind`, or the one they imply; `lookup_first` puts prompt lookup in front of
+    it."""
+    if kind is None and draft_head:
+        kind = "head"
+    elif kind is None and draft_model:
+        kind = published_kind(draft_model) or "two-model"  # its config says which
+    elif kind is None:
+        kind = "ngram" if model else "two-model"  # a target of one's own: lookup works with any
     find_kind(kind)
     if lookup_first and not kind.endswith("+lookup"):
         if f"{kind}+lookup" not in KINDS:
-            raise ValueError(f"--lookup-first puts prompt lookup in front of a model draft ({', '.join(k.name for k in _MODEL_KINDS)}), not {kind}")
+            raise ValueError(
+                "--lookup-first puts prompt lookup in front of a model draft "
+                f"({', '.join(k.name for k in _MODEL_KINDS)}), not {kind}"
+            )
         kind += "+lookup"
     if KINDS[kind].needs_draft and model and not draft_model:
         raise ValueError(f"--draft-kind {kind} needs a --draft-model for a target other than the bundled one")
     k = KINDS[kind]
     if "draft_model" in k.reads and not draft_model and not (k.in_target and model):
-        raise ValueError(f"--draft-kind {kind} reads a published drafter: give its checkpoint with --draft-model (a folder or hub id)"
-                         + ("; or the target's original checkpoint, holding it, with --model" if k.in_target else ""))
+        raise ValueError(
+            f"--draft-kind {kind} reads a published drafter: give its checkpoint with --draft-model (a folder or hub "
+            "id)" + ("; or the target's original checkpoint, holding it, with --model" if k.in_target else "")
+        )
     return kind
 
 # %% ../../nbs/05l_registry.ipynb #9fb6e75f
-def drafting_options(args)->dict:
+def drafting_options(args) -> dict:
     "The draft options in parsed arguments `args` (an option a command lacks counts as not given)."
     return {o: getattr(args, o, None) for o in OPTIONS}
 
-def default_draft_tokens(kind:str, draft_model=None)->int:
-    "γ when `--num-draft-tokens` is not given: 3, or a DFlash checkpoint's whole block (`block_size - 1` drafts per forward)."
-    if kind.split("+")[0] != "dflash" or draft_model is None: return 3
+
+def default_draft_tokens(kind: str, draft_model=None) -> int:
+    """γ when `--num-draft-tokens` is not given: 3, or a DFlash checkpoint's whole block (`block_size - 1` drafts per
+    forward)."""
+    if kind.split("+")[0] != "dflash" or draft_model is None:
+        return 3
     from specnb.checkpoint import read_config
     from specnb.sources.dflash import read_dflash
+
     return read_dflash(read_config(draft_model) or {}).block_size - 1
 
-def check_drafting(kind:str, options:dict, adaptive:bool=False):
+
+def check_drafting(kind: str, options: dict, adaptive: bool = False):
     "Refuse, before any model loads, an option `kind` would ignore or a value its provider refuses."
     refuse_unread([kind], options)
-    if "draft_model" in find_kind(kind).reads: return   # a published drafter's checkpoint is read once, by load_drafting
-    provider = find_kind(kind).make(None, **_given(**dict(options, draft_model=None)))   # no draft model yet
-    if adaptive and provider is None: raise ValueError(f"--adaptive adapts the length of a draft; {kind} drafts nothing")
+    if "draft_model" in find_kind(kind).reads:
+        return  # a published drafter's checkpoint is read once, by load_drafting
+    provider = find_kind(kind).make(None, **_given(**dict(options, draft_model=None)))  # no draft model yet
+    if adaptive and provider is None:
+        raise ValueError(f"--adaptive adapts the length of a draft; {kind} drafts nothing")
+
 
 def load_drafting(args, loader=None):
-    "Check the draft arguments, load the pair (with `loader(target, draft)`, default `load_pair`) and build the provider: `(pair, provider, kind)`; a bad argument is a `ValueError`."
+    """Check the draft arguments, load the pair (with `loader(target, draft)`, default `load_pair`) and build the
+    provider: `(pair, provider, kind)`; a bad argument is a `ValueError`."""
     from specnb.models import load_pair
+
     kind = draft_kind(args.model, args.draft_model, args.draft_kind, args.draft_head, args.lookup_first)
     if args.num_draft_tokens is not None and kind == "none":
         raise ValueError(f"--num-draft-tokens {args.num_draft_tokens}: --draft-kind none drafts nothing")
-    if args.num_draft_tokens is None: args.num_draft_tokens = default_draft_tokens(kind, args.draft_model)   # said here so that a given value can be told apart
-    if args.num_draft_tokens < 1: raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
+    if args.num_draft_tokens is None:
+        args.num_draft_tokens = default_draft_tokens(
+            kind, args.draft_model
+        )  # said here so that a given value can be told apart
+    if args.num_draft_tokens < 1:
+        raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
     options = drafting_options(args)
     check_drafting(kind, options, args.adaptive)
-    draft, published = options.pop("draft_model"), "draft_model" in KINDS[kind].reads   # published: a drafter's checkpoint, not a second model
-    if published and draft is None and KINDS[kind].in_target: draft = args.model   # native MTP: in the target's own checkpoint
-    pair = (loader or load_pair)(args.model, None if published else draft)   # without --model: the bundled target, and --draft-model if given
-    provider = make_provider(kind, pair.draft if KINDS[kind].needs_draft else None, target=pair.target, adaptive=args.adaptive,
-                             num_draft_tokens=args.num_draft_tokens, **options, **({"draft_model": draft} if published else {}))
+    draft, published = (
+        options.pop("draft_model"),
+        "draft_model" in KINDS[kind].reads,
+    )  # published: a drafter's checkpoint, not a second model
+    if published and draft is None and KINDS[kind].in_target:
+        draft = args.model  # native MTP: in the target's own checkpoint
+    pair = (loader or load_pair)(
+        args.model, None if published else draft
+    )  # without --model: the bundled target, and --draft-model if given
+    provider = make_provider(
+        kind,
+        pair.draft if KINDS[kind].needs_draft else None,
+        target=pair.target,
+        adaptive=args.adaptive,
+        num_draft_tokens=args.num_draft_tokens,
+        **options,
+        **({"draft_model": draft} if published else {}),
+    )
     return pair, provider, kind

@@ -16,84 +16,126 @@ from ..caches.recurrent import spec_cache
 from .base import TargetView, draft_distribution, draft_tokens
 
 # %% ../../nbs/05a_two_model.ipynb #4462334a
-def _held(cache)->int:
+def _held(cache) -> int:
     "How many tokens the caches hold (the first leaf's offset; a `CacheList` has none of its own)."
     return next(leaves(cache)).offset
 
+
 class TwoModelSource:
     "Per-request state of a two-model drafter: the draft's cache and, with logits processors, its token history."
+
     tap_layers = None
 
     def __init__(self, model, sampler=None, logits_processors=None, prefill_step_size=2048, p_min=None, grammar=None):
-        self.model, self.sampler, self.procs, self.step_size, self.grammar = model, sampler, logits_processors or None, prefill_step_size, grammar
-        self.p_min, self.cache, self.history, self.logits = p_min, spec_cache(model, 2), None, []   # sliding windows and recurrent state roll back
+        self.model, self.sampler, self.procs, self.step_size, self.grammar = (
+            model,
+            sampler,
+            logits_processors or None,
+            prefill_step_size,
+            grammar,
+        )
+        self.p_min, self.cache, self.history, self.logits = (
+            p_min,
+            spec_cache(model, 2),
+            None,
+            [],
+        )  # sliding windows and recurrent state roll back
 
     def prefill(self, prompt_ids, ctx=None):
-        "Read the prompt, all but its last token (the first `feed`); `ctx`: saved caches already holding a prefix of it."
+        """Read the prompt, all but its last token (the first `feed`); `ctx`: saved caches already holding a prefix of
+        it."""
         prompt_ids = list(prompt_ids)
-        if ctx: self.cache = spec_cache(self.model, 2, ctx)
+        if ctx:
+            self.cache = spec_cache(self.model, 2, ctx)
         held = _held(self.cache)
-        if held >= len(prompt_ids): raise ValueError(f"the saved draft cache holds {held} tokens, not fewer than the prompt's {len(prompt_ids)}")
+        if held >= len(prompt_ids):
+            raise ValueError(
+                f"the saved draft cache holds {held} tokens, not fewer than the prompt's {len(prompt_ids)}"
+            )
         prefill_drain(self.model, self.cache, prompt_ids[held:-1], self.step_size)
-        if self.procs: self.history = mx.array(prompt_ids[:-1], mx.uint32)
+        if self.procs:
+            self.history = mx.array(prompt_ids[:-1], mx.uint32)
 
     def _logits(self, y):
         "The draft's `(1, V)` logits after reading the tokens `y`, through the logits processors."
         logits = self.model(y[None], cache=self.cache)[:, -1]
         if self.procs:
             self.history = mx.concatenate([self.history, y])
-            for p in self.procs: logits = p(self.history, logits)
+            for p in self.procs:
+                logits = p(self.history, logits)
         return logits
 
-    def _confident(self, logits)->bool:
+    def _confident(self, logits) -> bool:
         "Is the draft's top probability at least `p_min`? (A host sync per step: only with `p_min` set.)"
         return mx.softmax(logits, axis=-1).max().item() >= self.p_min
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
         "Read `feed`, then propose `n` tokens by plain decoding."
         feed, self.logits = mx.array(feed, mx.uint32), []
-        can_take(self.cache, len(feed) + n)   # room to give back every draft step (a ring's slack, a recurrent history)
+        can_take(self.cache, len(feed) + n)  # room to give back every draft step (a ring's slack, a recurrent history)
         if n == 0:  # still read the feed: the next round's feed assumes it
             self.model(feed[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
-            if self.procs: self.history = mx.concatenate([self.history, feed])
+            if self.procs:
+                self.history = mx.concatenate([self.history, feed])
             return []
-        out, self.logits = draft_tokens(lambda y: self._logits(feed if y is None else y), n, self.sampler, self.grammar,
-                                        self._confident if self.p_min is not None else None)
-        return mx.concatenate(out) if out else []   # lazy: evaluated together with the verify forward
+        out, self.logits = draft_tokens(
+            lambda y: self._logits(feed if y is None else y),
+            n,
+            self.sampler,
+            self.grammar,
+            self._confident if self.p_min is not None else None,
+        )
+        return mx.concatenate(out) if out else []  # lazy: evaluated together with the verify forward
 
     def commit(self, d, k):
         "The target kept `k` of `d` drafts: forget the rest (the last draft was never read)."
         r = max(d - k - 1, 0)
         rollback(self.cache, r)
-        if self.procs and r: self.history = self.history[: self.history.size - r]
+        if self.procs and r:
+            self.history = self.history[: self.history.size - r]
 
     def draft_logprobs(self):
-        "The distributions the last drafts were sampled from, lazily: nothing is computed unless the rejection rule reads them."
+        """The distributions the last drafts were sampled from, lazily: nothing is computed unless the rejection rule
+        reads them."""
         return draft_distribution(self.logits, self.sampler)
 
     def save(self, held, anchor_hidden=None):
-        "Hand over the draft's cache holding exactly `held`: trim what the target rejected, read the one draft never read."
+        """Hand over the draft's cache holding exactly `held`: trim what the target rejected, read the one draft never
+        read."""
         have, cache = _held(self.cache), self.cache
-        if have > len(held): rollback(cache, have - len(held))
-        else: prefill_drain(self.model, cache, held[have:], self.step_size)
+        if have > len(held):
+            rollback(cache, have - len(held))
+        else:
+            prefill_drain(self.model, cache, held[have:], self.step_size)
         self.cache = self.history = None
         return cache
 
-    def close(self): self.cache = self.history = None
+    def close(self):
+        self.cache = self.history = None
 
 # %% ../../nbs/05a_two_model.ipynb #c3197f3d
-def check_p_min(p_min:float|None)->float|None:
+def check_p_min(p_min: float | None) -> float | None:
     "`p_min` if it is None or a probability strictly between 0 and 1, else `ValueError`."
-    if p_min is not None and not 0 < p_min < 1: raise ValueError(f"p_min must be in (0, 1), got {p_min}")
+    if p_min is not None and not 0 < p_min < 1:
+        raise ValueError(f"p_min must be in (0, 1), got {p_min}")
     return p_min
+
 
 class TwoModelProvider:
     "A draft model shared by every request; `open` gives each request its own `TwoModelSource`."
-    def __init__(self, draft_model, p_min:float|None=None):  # p_min: stop drafting below this draft confidence
+
+    def __init__(self, draft_model, p_min: float | None = None):  # p_min: stop drafting below this draft confidence
         self.draft_model, self.p_min, self._checked = draft_model, check_p_min(p_min), {}
 
-    def open(self, sampler=None, logits_processors=None, target:TargetView|None=None, prefill_step_size=2048, grammar=None)->TwoModelSource:
+    def open(
+        self,
+        sampler=None,
+        logits_processors=None,
+        target: TargetView | None = None,
+        prefill_step_size=2048,
+        grammar=None,
+    ) -> TwoModelSource:
         if target is not None and id(target.model) not in self._checked:
             check_vocab(target.model, self.draft_model)
             self._checked[id(target.model)] = target.model  # holding it keeps its id from being reused

@@ -18,38 +18,50 @@ def stdlib_sources():
     root = Path(sysconfig.get_paths()["stdlib"])
     out = {}
     for p in sorted(root.rglob("*.py")):
-        if {"site-packages", "__pycache__"} & set(p.parts): continue
-        try: out[str(p.relative_to(root))] = p.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError): continue  # a handful of test fixtures are deliberately not UTF-8
+        if {"site-packages", "__pycache__"} & set(p.parts):
+            continue
+        try:
+            out[str(p.relative_to(root))] = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # a handful of test fixtures are deliberately not UTF-8
     return out
 
-def split_of(rel:str)->str:
+
+def split_of(rel: str) -> str:
     "'heldout' for about 1 file in 10, chosen by a hash of its relative path, else 'train'."
     return "heldout" if zlib.crc32(rel.encode()) % 10 == 0 else "train"
 
 # %% ../../nbs/00a_train_pair.ipynb #e10cc4d5
-def encode_stream(tok, texts, eos:str="<|endoftext|>"):
-    "One array: each text's tokens followed by the `eos` token (a `tokenizers.Tokenizer`); uint16, or uint32 for a vocabulary past 65,536 tokens."
+def encode_stream(tok, texts, eos: str = "<|endoftext|>"):
+    """One array: each text's tokens followed by the `eos` token (a `tokenizers.Tokenizer`); uint16, or uint32 for a
+    vocabulary past 65,536 tokens."""
     eos, dtype = tok.token_to_id(eos), np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
-    if eos is None: raise ValueError("the tokenizer has no such end-of-text token: name its own (eos=...)")
+    if eos is None:
+        raise ValueError("the tokenizer has no such end-of-text token: name its own (eos=...)")
     return np.concatenate([np.array(e.ids + [eos], dtype=dtype) for e in tok.encode_batch(texts)])
 
 # %% ../../nbs/00a_train_pair.ipynb #bdbc2d62
-def stdlib_streams(tokenizer_file,                # a `tokenizer.json`
-                   eos:str="<|endoftext|>",
-                   cache_dir=None,                # default: ~/.cache/specnb/corpus
-                  )->dict:
-    "The standard library's train and held-out splits, each encoded as one array (`encode_stream`); cached on disk after the first call."
+def stdlib_streams(
+    tokenizer_file,  # a `tokenizer.json`
+    eos: str = "<|endoftext|>",
+    cache_dir=None,  # default: ~/.cache/specnb/corpus
+) -> dict:
+    """The standard library's train and held-out splits, each encoded as one array (`encode_stream`); cached on disk
+    after the first call."""
     from tokenizers import Tokenizer
+
     tokenizer_file = Path(tokenizer_file)
     key = hashlib.sha256(tokenizer_file.read_bytes() + f"|{sys.version}|{eos}".encode()).hexdigest()[:16]
     path = Path(cache_dir or Path.home() / ".cache" / "specnb" / "corpus") / f"stdlib-{key}.npz"
     if path.exists():
-        with np.load(path) as z: return {s: z[s] for s in ("train", "heldout")}
+        with np.load(path) as z:
+            return {s: z[s] for s in ("train", "heldout")}
     tok, sources = Tokenizer.from_file(str(tokenizer_file)), stdlib_sources()
-    streams = {s: encode_stream(tok, [t for r, t in sources.items() if split_of(r) == s], eos) for s in ("train", "heldout")}
+    streams = {
+        s: encode_stream(tok, [t for r, t in sources.items() if split_of(r) == s], eos) for s in ("train", "heldout")
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(f"{path.stem}.{os.getpid()}.npz")
     np.savez(part, **streams)
-    os.replace(part, path)   # whole or not at all, for a reader in another process
+    os.replace(part, path)  # whole or not at all, for a reader in another process
     return streams

@@ -22,8 +22,12 @@ from .head import fit, target_batch, windows
 # %% ../../nbs/05r_train_dflash.ipynb #9baf70d7
 LAYER_IDS, BLOCK, GAMMA, PROMPT, NEW, MASK_ID = [1, 3, 4], 16, 7.0, 64, 64, 2
 
-def greedy_continuations(target, stream, n:int, rng, prompt:int=PROMPT, new:int=NEW, batch:int=64)->np.ndarray:
-    "`n` sequences `(n, prompt + new)`: a random `prompt`-token window of `stream`, then the `new` tokens `target` writes after it, greedy."
+
+def greedy_continuations(
+    target, stream, n: int, rng, prompt: int = PROMPT, new: int = NEW, batch: int = 64
+) -> np.ndarray:
+    """`n` sequences `(n, prompt + new)`: a random `prompt`-token window of `stream`, then the `new` tokens `target`
+    writes after it, greedy."""
     out = []
     for i in range(0, n, batch):
         x = windows(stream, min(batch, n - i), rng, prompt)
@@ -35,108 +39,175 @@ def greedy_continuations(target, stream, n:int, rng, prompt:int=PROMPT, new:int=
         out.append(np.array(mx.concatenate(seq, axis=1)))
     return np.concatenate(out)
 
-def dflash_data(target, stream, n:int, layer_ids:list, rng, prompt:int=PROMPT, new:int=NEW, batch:int=32, log=print)->dict:
-    """`n` sequences the target writes itself (`greedy_continuations`) with their tapped rows `f` (float16) and the target's
-    greedy token after every position `y`: numpy arrays `x`, `f`, `y`."""
+
+def dflash_data(
+    target, stream, n: int, layer_ids: list, rng, prompt: int = PROMPT, new: int = NEW, batch: int = 32, log=print
+) -> dict:
+    """`n` sequences the target writes itself (`greedy_continuations`) with their tapped rows `f` (float16) and the
+    target's greedy token after every position `y`: numpy arrays `x`, `f`, `y`."""
     tap, out, t0 = Tap(target, layer_ids), dict(x=[], f=[], y=[]), time.time()
     for i in range(0, n, batch):
         x = mx.array(greedy_continuations(target, stream, min(batch, n - i), rng, prompt, new, batch))
         feats, logp = target_batch(target, tap, x)
         f, y = feats.astype(mx.float16), logp.argmax(-1).astype(mx.int32)
         mx.eval(f, y)
-        for k, v in zip("xfy", (x, f, y)): out[k].append(np.array(v))
-        if log and (i // batch) % 16 == 0: log(f"{i + x.shape[0]}/{n} sequences, {time.time() - t0:.0f} s")
+        for k, v in zip("xfy", (x, f, y)):
+            out[k].append(np.array(v))
+        if log and (i // batch) % 16 == 0:
+            log(f"{i + x.shape[0]}/{n} sequences, {time.time() - t0:.0f} s")
     return {k: np.concatenate(v) for k, v in out.items()}
 
 # %% ../../nbs/05r_train_dflash.ipynb #70c655a2
-def new_dflash(target, layer_ids=LAYER_IDS, block_size:int=BLOCK, layers:int=1, mask_token_id:int=MASK_ID, seed:int=0)->DFlash:
-    "An untrained DFlash drafter for `target`: its width and head count, `layers` deep, reading `layer_ids`, blocks of `block_size`."
-    d = random_dflash(target, layer_ids, block_size, layers, heads=text_model(target).args.num_attention_heads, seed=seed, mask_token_id=mask_token_id)
-    DFlashProvider(d).tap_layers(target)   # taps, width and mask token fit the target
+def new_dflash(
+    target, layer_ids=LAYER_IDS, block_size: int = BLOCK, layers: int = 1, mask_token_id: int = MASK_ID, seed: int = 0
+) -> DFlash:
+    """An untrained DFlash drafter for `target`: its width and head count, `layers` deep, reading `layer_ids`, blocks of
+    `block_size`."""
+    d = random_dflash(
+        target,
+        layer_ids,
+        block_size,
+        layers,
+        heads=text_model(target).args.num_attention_heads,
+        seed=seed,
+        mask_token_id=mask_token_id,
+    )
+    DFlashProvider(d).tap_layers(target)  # taps, width and mask token fit the target
     return d
 
 # %% ../../nbs/05r_train_dflash.ipynb #13e47bf9
-def anchor_mask(anchors, N:int, B:int)->mx.array:
-    "`(batch, 1, A·B, N + A·B)`: block i's queries see the N context keys before its anchor, and all of block i (no other block)."
+def anchor_mask(anchors, N: int, B: int) -> mx.array:
+    """`(batch, 1, A·B, N + A·B)`: block i's queries see the N context keys before its anchor, and all of block i (no
+    other block)."""
     Bt, A = anchors.shape
-    ctx = mx.arange(N)[None, None] < mx.repeat(anchors, B, axis=1)[:, :, None]   # context keys before each query's anchor
+    ctx = (
+        mx.arange(N)[None, None] < mx.repeat(anchors, B, axis=1)[:, :, None]
+    )  # context keys before each query's anchor
     blk = mx.repeat(mx.arange(A), B)
-    own = mx.broadcast_to(blk[:, None] == blk[None], (Bt, A * B, A * B))          # block-diagonal
+    own = mx.broadcast_to(blk[:, None] == blk[None], (Bt, A * B, A * B))  # block-diagonal
     return mx.concatenate([ctx, own], axis=-1)[:, None]
 
-def block_hidden(drafter:DFlash, embed, feats, x, anchors)->mx.array:
-    """The drafter's normed hidden states `(batch, A, B, H)` of the blocks `[x[a], MASK × (B − 1)]` at every anchor a of `anchors`
-    `(batch, A)`, each reading the context features (of tapped rows `feats` `(batch, N, F)`) before its anchor: all blocks in one forward."""
+
+def block_hidden(drafter: DFlash, embed, feats, x, anchors) -> mx.array:
+    """The drafter's normed hidden states `(batch, A, B, H)` of the blocks `[x[a], MASK × (B − 1)]` at every anchor a of
+    `anchors` `(batch, A)`, each reading the context features (of tapped rows `feats` `(batch, N, F)`) before its
+    anchor: all blocks in one forward."""
     Bt, N = x.shape
     A, s = anchors.shape[1], drafter.spec
     B = s.block_size
-    if any(t != "full_attention" for t in s.layer_types) or s.is_causal: raise ValueError("block_hidden trains full, bidirectional layers only")
+    if any(t != "full_attention" for t in s.layer_types) or s.is_causal:
+        raise ValueError("block_hidden trains full, bidirectional layers only")
     first = mx.take_along_axis(x, anchors, axis=1)[..., None]
     block = mx.concatenate([first, mx.full((Bt, A, B - 1), s.mask_token_id, first.dtype)], axis=-1)
     h = embed(block.reshape(Bt, A * B)) * s.embedding_scale
     c, mask, offsets = drafter.hidden_norm(drafter.fc(feats)), anchor_mask(anchors, N, B), anchors.reshape(-1)
-    def rope(t):   # (Bt, heads, A·B, hd), each block rotated from its anchor's position
+
+    def rope(t):  # (Bt, heads, A·B, hd), each block rotated from its anchor's position
         nh, hd = t.shape[1], t.shape[-1]
         t = t.reshape(Bt, nh, A, B, hd).transpose(0, 2, 1, 3, 4).reshape(Bt * A, nh, B, hd)
-        return drafter.rope(t, offset=offsets).reshape(Bt, A, nh, B, hd).transpose(0, 2, 1, 3, 4).reshape(Bt, nh, A * B, hd)
+        return (
+            drafter.rope(t, offset=offsets)
+            .reshape(Bt, A, nh, B, hd)
+            .transpose(0, 2, 1, 3, 4)
+            .reshape(Bt, nh, A * B, hd)
+        )
+
     for layer in drafter.layers:
         at, u = layer.self_attn, layer.input_layernorm(h)
         q = rope(at.q_norm(at.q_proj(u).reshape(Bt, A * B, at.nh, -1)).transpose(0, 2, 1, 3))
         kb = rope(at.k_norm(at.k_proj(u).reshape(Bt, A * B, at.nkv, -1)).transpose(0, 2, 1, 3))
         vb = at.v_proj(u).reshape(Bt, A * B, at.nkv, -1).transpose(0, 2, 1, 3)
-        kc, vc = at.kv(c, drafter.rope, 0)   # the context's keys and values, as DFlash.extend caches them
-        o = mx.fast.scaled_dot_product_attention(q, mx.concatenate([kc, kb], axis=2), mx.concatenate([vc, vb], axis=2), scale=at.scale, mask=mask)
+        kc, vc = at.kv(c, drafter.rope, 0)  # the context's keys and values, as DFlash.extend caches them
+        o = mx.fast.scaled_dot_product_attention(
+            q, mx.concatenate([kc, kb], axis=2), mx.concatenate([vc, vb], axis=2), scale=at.scale, mask=mask
+        )
         h = h + at.o_proj(o.transpose(0, 2, 1, 3).reshape(Bt, A * B, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return drafter.norm(h).reshape(Bt, A, B, -1)
 
 # %% ../../nbs/05r_train_dflash.ipynb #0dcc6043
-def decay(B:int, gamma:float=GAMMA)->mx.array:
+def decay(B: int, gamma: float = GAMMA) -> mx.array:
     "The loss weights of block positions 1 … B − 1: exp(−(j − 1)/gamma)."
     return mx.exp(-mx.arange(B - 1) / gamma)
 
-def block_losses(drafter:DFlash, target, feats, x, y, anchors, gamma:float=GAMMA):
-    """The decay-weighted cross-entropy of every block's drafts against the target's greedy tokens `y` `(batch, N)` (`y[t]`: its
-    token after position t), and the hits `(batch, A, B − 1)`: draft j of the block at a equals `y[a + j − 1]`."""
+
+def block_losses(drafter: DFlash, target, feats, x, y, anchors, gamma: float = GAMMA):
+    """The decay-weighted cross-entropy of every block's drafts against the target's greedy tokens `y` `(batch, N)`
+    (`y[t]`: its token after position t), and the hits `(batch, A, B − 1)`: draft j of the block at a equals `y[a + j −
+    1]`."""
     B = drafter.spec.block_size
-    logits = drafter.logits(block_hidden(drafter, text_model(target).model.embed_tokens, feats, x, anchors)[:, :, 1:], output_head(target))
+    logits = drafter.logits(
+        block_hidden(drafter, text_model(target).model.embed_tokens, feats, x, anchors)[:, :, 1:], output_head(target)
+    )
     at = (anchors[..., None] + mx.arange(B - 1)).reshape(y.shape[0], -1)
     labels = mx.take_along_axis(y, at, axis=1).reshape(anchors.shape + (B - 1,))
     w = decay(B, gamma)
     return (nn.losses.cross_entropy(logits, labels) * w).sum(-1).mean() / w.sum(), logits.argmax(-1) == labels
 
-def accepted(hits)->mx.array:
+
+def accepted(hits) -> mx.array:
     "Per block, the drafts greedy verification keeps: the run of hits from position 1."
     return mx.cumprod(hits.astype(mx.int32), axis=-1).sum(-1)
 
 # %% ../../nbs/05r_train_dflash.ipynb #82b440be
-def draw_anchors(rng, n:int, A:int, lo:int, hi:int)->mx.array:
+def draw_anchors(rng, n: int, A: int, lo: int, hi: int) -> mx.array:
     "`(n, A)`: `A` distinct anchor positions in lo … hi for each of `n` sequences, sorted."
-    return mx.array(np.stack([np.sort(rng.choice(hi - lo + 1, A, replace=False)) + lo for _ in range(n)]).astype(np.int32))
+    return mx.array(
+        np.stack([np.sort(rng.choice(hi - lo + 1, A, replace=False)) + lo for _ in range(n)]).astype(np.int32)
+    )
 
-def eval_dflash(drafter:DFlash, target, held:tuple, gamma:float=GAMMA)->dict:
-    "Held-out figures over `held` = (x, f, y, anchors): the weighted loss, the accuracy per block position, the mean accepted length."
+
+def eval_dflash(drafter: DFlash, target, held: tuple, gamma: float = GAMMA) -> dict:
+    """Held-out figures over `held` = (x, f, y, anchors): the weighted loss, the accuracy per block position, the mean
+    accepted length."""
     x, f, y, anchors = held
     loss, hits = block_losses(drafter, target, f, x, y, anchors, gamma)
-    return dict(loss=round(loss.item(), 4), acc=[round(a, 4) for a in hits.astype(mx.float32).mean((0, 1)).tolist()],
-                accepted=round(accepted(hits).astype(mx.float32).mean().item(), 3))
+    return dict(
+        loss=round(loss.item(), 4),
+        acc=[round(a, 4) for a in hits.astype(mx.float32).mean((0, 1)).tolist()],
+        accepted=round(accepted(hits).astype(mx.float32).mean().item(), 3),
+    )
 
-def train_dflash(target,                # the frozen target (an mlx-lm model)
-                 drafter:DFlash,        # the drafter to train (`new_dflash`), in place
-                 data:dict,             # {"train": …, "heldout": …}: `dflash_data`'s arrays
-                 steps:int, peak_lr:float=2e-3, batch:int=8,
-                 anchors:int=16,        # blocks per sequence and step
-                 gamma:float=GAMMA, prompt:int=PROMPT, seed:int=0, eval_every:int=100, log=print)->list:
-    "Train `drafter` with the block objective on `target`'s features and greedy tokens for `steps` steps; returns the evaluation history."
+
+def train_dflash(
+    target,  # the frozen target (an mlx-lm model)
+    drafter: DFlash,  # the drafter to train (`new_dflash`), in place
+    data: dict,  # {"train": …, "heldout": …}: `dflash_data`'s arrays
+    steps: int,
+    peak_lr: float = 2e-3,
+    batch: int = 8,
+    anchors: int = 16,  # blocks per sequence and step
+    gamma: float = GAMMA,
+    prompt: int = PROMPT,
+    seed: int = 0,
+    eval_every: int = 100,
+    log=print,
+) -> list:
+    """Train `drafter` with the block objective on `target`'s features and greedy tokens for `steps` steps; returns the
+    evaluation history."""
     mx.random.seed(seed)
     rng, B, N = np.random.default_rng(seed), drafter.spec.block_size, data["train"]["x"].shape[1]
-    lo, hi = prompt, N - B   # anchors inside the target's continuation; every label inside the sequence
+    lo, hi = prompt, N - B  # anchors inside the target's continuation; every label inside the sequence
     as_mx = lambda d, i: (mx.array(d["x"][i]), mx.array(d["f"][i]).astype(mx.float32), mx.array(d["y"][i]))
     hd = data["heldout"]
-    held = (*as_mx(hd, np.arange(len(hd["x"]))), draw_anchors(np.random.default_rng(1234), len(hd["x"]), anchors, lo, hi))
+    held = (
+        *as_mx(hd, np.arange(len(hd["x"]))),
+        draw_anchors(np.random.default_rng(1234), len(hd["x"]), anchors, lo, hi),
+    )
+
     def draw():
         x, f, y = as_mx(data["train"], np.sort(rng.choice(len(data["train"]["x"]), batch, replace=False)))
         return x, f, y, draw_anchors(rng, batch, anchors, lo, hi)
-    return fit(drafter, lambda d, x, f, y, a: block_losses(d, target, f, x, y, a, gamma)[0],
-               (draw() for _ in range(steps)), steps, lambda d: eval_dflash(d, target, held, gamma), peak_lr, eval_every=eval_every,
-               seen=lambda step: {"blocks": step * batch * anchors}, train_loss=True, log=log)
+
+    return fit(
+        drafter,
+        lambda d, x, f, y, a: block_losses(d, target, f, x, y, a, gamma)[0],
+        (draw() for _ in range(steps)),
+        steps,
+        lambda d: eval_dflash(d, target, held, gamma),
+        peak_lr,
+        eval_every=eval_every,
+        seen=lambda step: {"blocks": step * batch * anchors},
+        train_loss=True,
+        log=log,
+    )

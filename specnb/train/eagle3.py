@@ -19,112 +19,168 @@ from .head import BATCH, SEQ, STEPS_UNROLLED, UnrollCache, fit, pick_draft_vocab
 from .head import unroll_mask, windows
 
 # %% ../../nbs/05o_train_eagle3.ipynb #535c28c1
-def greedy_vocab(target, stream, k:int, n:int=512, seq:int=256, seed:int=0)->np.ndarray:
-    "The `k` tokens `target` writes most often (greedy, over `n` random windows of `stream`), in id order: a draft vocabulary."
+def greedy_vocab(target, stream, k: int, n: int = 512, seq: int = 256, seed: int = 0) -> np.ndarray:
+    """The `k` tokens `target` writes most often (greedy, over `n` random windows of `stream`), in id order: a draft
+    vocabulary."""
     rng, ys = np.random.default_rng(seed), []
-    for _ in range(0, n, 16): ys.append(np.array(target(windows(stream, 16, rng, seq)).argmax(-1)))
+    for _ in range(0, n, 16):
+        ys.append(np.array(target(windows(stream, 16, rng, seq)).argmax(-1)))
     return np.array(pick_draft_vocab(np.concatenate(ys), k))
 
-def draft_ids(drafter:Eagle3)->mx.array:
+
+def draft_ids(drafter: Eagle3) -> mx.array:
     "The target id of each draft-vocabulary entry: `i + d2t[i]`."
     ids = mx.arange(drafter.lm_head.weight.shape[0], dtype=mx.int32)
     return ids + drafter.d2t if "d2t" in drafter else ids
 
-def norm_scale(norm, width:int)->mx.array:
-    "The per-channel scale an RMS norm module applies, however it stores it (Gemma's stores 1 + w): its output for an all-ones row, eps undone."
+
+def norm_scale(norm, width: int) -> mx.array:
+    """The per-channel scale an RMS norm module applies, however it stores it (Gemma's stores 1 + w): its output for an
+    all-ones row, eps undone."""
     return norm(mx.ones((width,), mx.float32)) * math.sqrt(1 + getattr(norm, "eps", 0.0))
 
-def new_eagle3(target,                 # the frozen target (an mlx-lm model, unquantized)
-               config:dict,            # a speculators EAGLE-3 `config.json`, as a dict
-               vocab=None,             # the draft vocabulary: sorted target ids (None: the whole vocabulary)
-               seed:int=0,
-               target_norm:bool=True)->Eagle3: # start `norm` at the target's final-norm scale; False: at ones, as speculators does
-    "An untrained EAGLE-3 drafter for `target`: its embedding (frozen), final norm and output rows of `vocab` copied from the target."
+
+def new_eagle3(
+    target,  # the frozen target (an mlx-lm model, unquantized)
+    config: dict,  # a speculators EAGLE-3 `config.json`, as a dict
+    vocab=None,  # the draft vocabulary: sorted target ids (None: the whole vocabulary)
+    seed: int = 0,
+    target_norm: bool = True,
+) -> Eagle3:  # start `norm` at the target's final-norm scale; False: at ones, as speculators does
+    """An untrained EAGLE-3 drafter for `target`: its embedding (frozen), final norm and output rows of `vocab` copied
+    from the target."""
     mx.random.seed(seed)
     spec = read_eagle3(config)
     drafter = Eagle3(spec, len(spec.tap_layers(target.args.num_hidden_layers)), embed=True)
-    Eagle3Provider(drafter).check(target)   # taps, width and vocabulary fit the target
+    Eagle3Provider(drafter).check(target)  # taps, width and vocabulary fit the target
     ids = mx.arange(spec.draft_vocab, dtype=mx.int32) if vocab is None else mx.array(np.asarray(vocab), mx.int32)
-    if ids.size != spec.draft_vocab: raise ValueError(f"a draft vocabulary of {ids.size} tokens, but the config's draft_vocab_size is {spec.draft_vocab}")
+    if ids.size != spec.draft_vocab:
+        raise ValueError(
+            f"a draft vocabulary of {ids.size} tokens, but the config's draft_vocab_size is {spec.draft_vocab}"
+        )
     out = output_layer(target)
-    if "scales" in out: raise ValueError("new_eagle3 copies the target's output rows: give it an unquantized target")
+    if "scales" in out:
+        raise ValueError("new_eagle3 copies the target's output rows: give it an unquantized target")
     inner = text_model(target).model
     drafter.embed_tokens.weight, drafter.lm_head.weight = inner.embed_tokens.weight, out.weight[ids]
-    if target_norm: drafter.norm.weight = norm_scale(inner.norm, spec.target_hidden).astype(out.weight.dtype)
+    if target_norm:
+        drafter.norm.weight = norm_scale(inner.norm, spec.target_hidden).astype(out.weight.dtype)
     drafter.embed_tokens.freeze()
-    if "d2t" in drafter:   # offsets, saved with the weights, never trained
+    if "d2t" in drafter:  # offsets, saved with the weights, never trained
         drafter.d2t = ids - mx.arange(ids.size, dtype=mx.int32)
         drafter.freeze(recurse=False, keys=["d2t"])
     mx.eval(drafter.parameters())
     return drafter
 
 # %% ../../nbs/05o_train_eagle3.ipynb #c970ee47
-def unrolled_eagle3(drafter:Eagle3, x, feats, steps:int=STEPS_UNROLLED)->list:
-    "Log-probabilities over the draft vocabulary at each of `steps` unrolled draft steps, over windows `x` `(B, T + steps)` and their tapped rows."
+def unrolled_eagle3(drafter: Eagle3, x, feats, steps: int = STEPS_UNROLLED) -> list:
+    """Log-probabilities over the draft vocabulary at each of `steps` unrolled draft steps, over windows `x` `(B, T +
+    steps)` and their tapped rows."""
     T, cache, out = x.shape[1] - steps, UnrollCache(), []
     h = drafter.fuse(feats[:, :T])
     for j in range(1, steps + 1):
         cache.offset = j - 1
-        h = drafter(h, drafter.embed_tokens(x[:, j:j + T]), mask=unroll_mask(T, j), cache=cache)
+        h = drafter(h, drafter.embed_tokens(x[:, j : j + T]), mask=unroll_mask(T, j), cache=cache)
         logits = drafter.draft_logits(h)
         out.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
     return out
 
-def eagle3_losses(drafter:Eagle3, x, feats,
-                  logp, # the target's log-probabilities `(B, N, V)`, or `draft_labels`' pair
-                  steps:int=STEPS_UNROLLED):
-    "Per unrolled step: cross-entropy to the target's distribution within the draft vocabulary, and top-1 agreement with the target (none when the labels carry no greedy tokens)."
+
+def eagle3_losses(
+    drafter: Eagle3,
+    x,
+    feats,
+    logp,  # the target's log-probabilities `(B, N, V)`, or `draft_labels`' pair
+    steps: int = STEPS_UNROLLED,
+):
+    """Per unrolled step: cross-entropy to the target's distribution within the draft vocabulary, and top-1 agreement
+    with the target (none when the labels carry no greedy tokens)."""
     T, ids, ce, agree = x.shape[1] - steps, draft_ids(drafter), [], []
-    if isinstance(logp, tuple): within, best = logp
-    else: within, best = logp[..., ids], logp.argmax(-1)
+    if isinstance(logp, tuple):
+        within, best = logp
+    else:
+        within, best = logp[..., ids], logp.argmax(-1)
     within = within - mx.logsumexp(within, axis=-1, keepdims=True)
     for j, q in enumerate(unrolled_eagle3(drafter, x, feats, steps), 1):
-        ce.append(-(mx.exp(within[:, j:j + T]) * q).sum(-1).mean())
+        ce.append(-(mx.exp(within[:, j : j + T]) * q).sum(-1).mean())
         # a target token outside the draft vocabulary is a miss
-        if best is not None: agree.append((ids[q.argmax(-1)] == best[:, j:j + T]).mean())
+        if best is not None:
+            agree.append((ids[q.argmax(-1)] == best[:, j : j + T]).mean())
     return ce, agree
 
-def fit_fc_norm(drafter:Eagle3, feats):
-    "Scale each tapped row's `fc_norm` so that every channel leaves it at about unit RMS over `feats` `(..., n · target_hidden)`, the target's rows: a few huge channels then no longer drown the rest."
-    if not drafter.spec.fc_norm: raise ValueError("fit_fc_norm: the drafter has no fc_norm (its config sets fc_norm false)")
-    for norm, rows in zip(drafter.fc_norm, mx.split(feats.reshape(-1, feats.shape[-1]).astype(mx.float32), len(drafter.fc_norm), axis=-1)):
-        unit = rows * mx.rsqrt((rows * rows).mean(-1, keepdims=True) + norm.eps)   # what the norm sees, before its scale
+
+def fit_fc_norm(drafter: Eagle3, feats):
+    """Scale each tapped row's `fc_norm` so that every channel leaves it at about unit RMS over `feats` `(..., n ·
+    target_hidden)`, the target's rows: a few huge channels then no longer drown the rest."""
+    if not drafter.spec.fc_norm:
+        raise ValueError("fit_fc_norm: the drafter has no fc_norm (its config sets fc_norm false)")
+    for norm, rows in zip(
+        drafter.fc_norm, mx.split(feats.reshape(-1, feats.shape[-1]).astype(mx.float32), len(drafter.fc_norm), axis=-1)
+    ):
+        unit = rows * mx.rsqrt((rows * rows).mean(-1, keepdims=True) + norm.eps)  # what the norm sees, before its scale
         norm.weight = (1 / (mx.sqrt((unit * unit).mean(0)) + 1e-6)).astype(norm.weight.dtype)
     mx.eval(drafter.parameters())
 
-def draft_labels(target, tap, x, ids,
-                 best:bool=True, # also the target's greedy tokens, over its whole vocabulary (one window at a time)
-                )->tuple:
-    "`target_batch` for a large vocabulary: the tapped features and `(logits over the draft vocabulary ids, greedy tokens or None)` — never a `(B, N, V)` array."
+
+def draft_labels(
+    target,
+    tap,
+    x,
+    ids,
+    best: bool = True,  # also the target's greedy tokens, over its whole vocabulary (one window at a time)
+) -> tuple:
+    """`target_batch` for a large vocabulary: the tapped features and `(logits over the draft vocabulary ids, greedy
+    tokens or None)` — never a `(B, N, V)` array."""
     layer = output_layer(target)
-    if "scales" in layer: raise ValueError("draft_labels reads the target's output rows: give it an unquantized target")
-    with tap: h = text_model(target).model(x)   # after the final norm
+    if "scales" in layer:
+        raise ValueError("draft_labels reads the target's output rows: give it an unquantized target")
+    with tap:
+        h = text_model(target).model(x)  # after the final norm
     within = h @ layer.weight[ids].T
-    top = mx.concatenate([output_head(target)(h[i:i + 1]).argmax(-1) for i in range(h.shape[0])]) if best else None
+    top = mx.concatenate([output_head(target)(h[i : i + 1]).argmax(-1) for i in range(h.shape[0])]) if best else None
     return tap.take(batch=True), (within, top)
 
 # %% ../../nbs/05o_train_eagle3.ipynb #448918b2
-def eval_row(drafter:Eagle3, held:tuple, step:int, positions:int, t0:float, unroll:int)->dict:
+def eval_row(drafter: Eagle3, held: tuple, step: int, positions: int, t0: float, unroll: int) -> dict:
     "One line of the training history: held-out cross-entropy and agreement per draft step."
     figures = step_figures(*eagle3_losses(drafter, *held, unroll))
     return dict(step=step, tokens=positions, wall_s=round(time.time() - t0, 1), **figures)
 
-def train_eagle3(target,                # the frozen target (an mlx-lm model)
-                 drafter:Eagle3,        # the drafter to train (`new_eagle3`), in place
-                 data:dict,             # {"train": …, "heldout": …}: 1-D token ids
-                 steps:int, peak_lr:float=2e-3, unroll:int=STEPS_UNROLLED, batch:int=BATCH, seq:int=SEQ,
-                 seed:int=0, eval_every:int=100, log=print,
-                 warmup:int=50,              # steps of linear learning-rate warm-up before the cosine decay
-                 vocab_only:bool=False)->list: # labels within the draft vocabulary only (`draft_labels`), for a target with a large one
+
+def train_eagle3(
+    target,  # the frozen target (an mlx-lm model)
+    drafter: Eagle3,  # the drafter to train (`new_eagle3`), in place
+    data: dict,  # {"train": …, "heldout": …}: 1-D token ids
+    steps: int,
+    peak_lr: float = 2e-3,
+    unroll: int = STEPS_UNROLLED,
+    batch: int = BATCH,
+    seq: int = SEQ,
+    seed: int = 0,
+    eval_every: int = 100,
+    log=print,
+    warmup: int = 50,  # steps of linear learning-rate warm-up before the cosine decay
+    vocab_only: bool = False,
+) -> list:  # labels within the draft vocabulary only (`draft_labels`), for a target with a large one
     "Train `drafter` on `target`'s tapped features and distributions for `steps` steps; returns the evaluation history."
     mx.random.seed(seed)
     rng, tap = np.random.default_rng(seed), Tap(target, Eagle3Provider(drafter).tap_layers(target))
     ids = draft_ids(drafter)
+
     def draw(stream, n, r, best=False):
         x = windows(stream, n, r, seq + unroll)
         return (x, *(draft_labels(target, tap, x, ids, best) if vocab_only else target_batch(target, tap, x)))
+
     held = draw(data["heldout"], 16, np.random.default_rng(1234), best=True)
-    return fit(drafter, lambda d, x, f, t: sum(eagle3_losses(d, x, f, t, unroll)[0]) / unroll,
-               (draw(data["train"], batch, rng) for _ in range(steps)), steps,
-               lambda d: step_figures(*eagle3_losses(d, *held, unroll)), peak_lr, warmup, eval_every=eval_every,
-               seen=lambda step: {"tokens": step * batch * seq}, log=log)
+    return fit(
+        drafter,
+        lambda d, x, f, t: sum(eagle3_losses(d, x, f, t, unroll)[0]) / unroll,
+        (draw(data["train"], batch, rng) for _ in range(steps)),
+        steps,
+        lambda d: step_figures(*eagle3_losses(d, *held, unroll)),
+        peak_lr,
+        warmup,
+        eval_every=eval_every,
+        seen=lambda step: {"tokens": step * batch * seq},
+        log=log,
+    )

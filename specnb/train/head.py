@@ -19,33 +19,42 @@ from ..sources.chain import DraftHead, HeadConfig
 # %% ../../nbs/05f_train_head.ipynb #893ce37b
 class UnrollCache:
     "Stands in for the head's KV cache in training: each unrolled step's keys and values, after the earlier steps'."
-    def __init__(self): self.keys, self.values, self.offset = [], [], 0
+
+    def __init__(self):
+        self.keys, self.values, self.offset = [], [], 0
+
     def update_and_fetch(self, k, v):
-        self.keys.append(k); self.values.append(v)
+        self.keys.append(k)
+        self.values.append(v)
         return mx.concatenate(self.keys, axis=2), mx.concatenate(self.values, axis=2)
 
-def unroll_mask(T:int, j:int)->mx.array:
+
+def unroll_mask(T: int, j: int) -> mx.array:
     "`(T, j*T)`: step j's query at q sees step 1's keys at 0..q and, of steps 2..j, only index q's (its own chain)."
     i = mx.arange(T)
     return mx.concatenate([i[:, None] >= i[None]] + [i[:, None] == i[None]] * (j - 1), axis=1)
 
 # %% ../../nbs/05f_train_head.ipynb #9d9ba6c0
 def readout(head, target, a, rows=None):
-    "Log-probabilities of head outputs `a` through the target's norm and lm-head (over the draft vocabulary, given its `rows`)."
+    """Log-probabilities of head outputs `a` through the target's norm and lm-head (over the draft vocabulary, given its
+    `rows`)."""
     logits = head.logits(target, a, rows)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
+
 def target_batch(target, tap, x):
     "The tapped features `(B, N, F)` and the target's log-probabilities `(B, N, V)` over token windows `x` `(B, N)`."
-    with tap: logits = target(x)
+    with tap:
+        logits = target(x)
     return tap.take(batch=True), logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
 
 def unrolled(head, target, x, feats, steps, rows=None):
     "The head's log-probabilities at each of `steps` unrolled draft steps, over windows `x` `(B, T + steps)`."
-    T, cache, f, out = x.shape[1] - steps, UnrollCache(), head.fuse(feats[:, :x.shape[1] - steps]), []
+    T, cache, f, out = x.shape[1] - steps, UnrollCache(), head.fuse(feats[:, : x.shape[1] - steps]), []
     for j in range(1, steps + 1):
         cache.offset = j - 1
-        f = head(f, target.model.embed_tokens(x[:, j:j + T]), mask=unroll_mask(T, j), cache=cache)
+        f = head(f, target.model.embed_tokens(x[:, j : j + T]), mask=unroll_mask(T, j), cache=cache)
         out.append(readout(head, target, f, rows))
     return out
 
@@ -114,30 +123,36 @@ def step_figures(ce: list, agree: list) -> dict:
 # %% ../../nbs/05f_train_head.ipynb #f7d02b53
 STEPS_UNROLLED, SEQ, BATCH, TAPS = 3, 128, 8, [1, 3, 5]
 
+
 def windows(stream, n, rng, seq):
-    "`n` random windows of `seq` tokens from `stream`, `(n, seq)` int32: a 1-D stream, or 2-D rows (each window inside one row)."
+    """`n` random windows of `seq` tokens from `stream`, `(n, seq)` int32: a 1-D stream, or 2-D rows (each window inside
+    one row)."""
     if np.ndim(stream) == 2:
         rows, starts = rng.integers(0, len(stream), size=n), rng.integers(0, stream.shape[1] - seq + 1, size=n)
-        return mx.array(np.stack([stream[r, s:s + seq] for r, s in zip(rows, starts)]).astype(np.int32))
+        return mx.array(np.stack([stream[r, s : s + seq] for r, s in zip(rows, starts)]).astype(np.int32))
     starts = rng.integers(0, len(stream) - seq, size=n)
-    return mx.array(np.stack([stream[s:s + seq] for s in starts]).astype(np.int32))
+    return mx.array(np.stack([stream[s : s + seq] for s in starts]).astype(np.int32))
+
 
 def losses(head, target, x, feats, labels, steps=STEPS_UNROLLED, rows=None):
-    """Cross-entropy to the target per unrolled step, and the top-1 agreement per step. `labels`: the target's log-probabilities
-    `(B, N, V)` (soft) or its greedy tokens `(B, N)` (hard); `rows`: the draft vocabulary's (`DraftHead.vocab_rows`)."""
+    """Cross-entropy to the target per unrolled step, and the top-1 agreement per step. `labels`: the target's
+    log-probabilities `(B, N, V)` (soft) or its greedy tokens `(B, N)` (hard); `rows`: the draft vocabulary's
+    (`DraftHead.vocab_rows`)."""
     T, d2t = x.shape[1] - steps, head.d2t if rows is not None else None
-    if d2t is not None and labels.ndim == 2:   # target id → draft index, -1 for tokens the head cannot propose
+    if d2t is not None and labels.ndim == 2:  # target id → draft index, -1 for tokens the head cannot propose
         t2d = mx.full((head.cfg.vocab_size,), -1, mx.int32)
         t2d[d2t] = mx.arange(d2t.size, dtype=mx.int32)
     ce, agree = [], []
     for j, logp in enumerate(unrolled(head, target, x, feats, steps, rows), 1):
-        t = labels[:, j:j + T]
+        t = labels[:, j : j + T]
         guess = logp.argmax(-1) if d2t is None else d2t[logp.argmax(-1)]
-        if t.ndim == 3:   # soft: its whole distribution (within the draft vocabulary, renormalised)
+        if t.ndim == 3:  # soft: its whole distribution (within the draft vocabulary, renormalised)
             best = t.argmax(-1)
-            if d2t is not None: t = t[..., d2t]; t = t - mx.logsumexp(t, axis=-1, keepdims=True)
+            if d2t is not None:
+                t = t[..., d2t]
+                t = t - mx.logsumexp(t, axis=-1, keepdims=True)
             ce.append(-(mx.exp(t) * logp).sum(-1).mean())
-        else:             # hard: its greedy token, where the head can propose it
+        else:  # hard: its greedy token, where the head can propose it
             best = t
             k = t if d2t is None else t2d[t]
             ok = k >= 0
@@ -146,57 +161,90 @@ def losses(head, target, x, feats, labels, steps=STEPS_UNROLLED, rows=None):
         agree.append((guess == best).mean())
     return ce, agree
 
-def extract(target, stream, n:int, seq:int, taps:list=TAPS, seed:int=0, batch:int=4, log=print)->dict:
-    """Tapped features (float16) and the target's greedy tokens over `n` random windows of `seq` (+ the unrolled steps) tokens of `stream`,
-    computed once — for a target too slow to run at every training step. Returns numpy arrays `x`, `f`, `y`."""
+
+def extract(target, stream, n: int, seq: int, taps: list = TAPS, seed: int = 0, batch: int = 4, log=print) -> dict:
+    """Tapped features (float16) and the target's greedy tokens over `n` random windows of `seq` (+ the unrolled steps)
+    tokens of `stream`, computed once — for a target too slow to run at every training step. Returns numpy arrays `x`,
+    `f`, `y`."""
     rng, tap, out = np.random.default_rng(seed), Tap(target, taps), dict(x=[], f=[], y=[])
     t0 = time.time()
     for i in range(0, n, batch):
         x = windows(stream, min(batch, n - i), rng, seq + STEPS_UNROLLED)
-        with tap: logits = target(x)
+        with tap:
+            logits = target(x)
         f, y = tap.take(batch=True).astype(mx.float16), logits.argmax(-1).astype(mx.int32)
         mx.eval(f, y)
-        for k, v in zip("xfy", (x, f, y)): out[k].append(np.array(v))
-        if log and (i // batch) % 25 == 0: log(f"{i + x.shape[0]}/{n} windows, {time.time() - t0:.0f} s")
+        for k, v in zip("xfy", (x, f, y)):
+            out[k].append(np.array(v))
+        if log and (i // batch) % 25 == 0:
+            log(f"{i + x.shape[0]}/{n} windows, {time.time() - t0:.0f} s")
     return {k: np.concatenate(v) for k, v in out.items()}
 
-def pick_draft_vocab(ids, k:int)->mx.array:
+
+def pick_draft_vocab(ids, k: int) -> mx.array:
     "The `k` most frequent of `ids` (the target's greedy tokens over the training data), in id order: the head's `d2t`."
     counts = np.bincount(np.asarray(ids).ravel())
     return mx.array(np.sort(np.argsort(-counts, kind="stable")[:k]).astype(np.int32))
 
+
 def batch_of(target, tap, src, n, rng, seq):
-    "`n` training windows with their features and labels: cut from a token stream and run through the target (soft labels), or drawn from `extract`'s arrays (hard)."
+    """`n` training windows with their features and labels: cut from a token stream and run through the target (soft
+    labels), or drawn from `extract`'s arrays (hard)."""
     if isinstance(src, dict):
         i = np.sort(rng.choice(len(src["x"]), n, replace=False))
         return mx.array(src["x"][i]), mx.array(src["f"][i]).astype(mx.float32), mx.array(src["y"][i])
     x = windows(src, n, rng, seq + STEPS_UNROLLED)
     return (x, *target_batch(target, tap, x))
 
-def train_head(target,               # the frozen target (an mlx-lm model)
-               data:dict,            # {"train": …, "heldout": …}: 1-D token ids, or `extract`'s arrays
-               steps:int, peak_lr:float=2e-3, seed:int=0, eval_every:int=100, log=print,
-               taps:list|None=None,  # the target layers a new head reads (None: `TAPS`)
-               batch:int=BATCH, seq:int=SEQ,
-               draft_vocab:int=0,    # propose only this many tokens, the most frequent in the training data (0: all)
-               init:DraftHead|None=None, # go on training this head (its taps, sizes and draft vocabulary stay) instead of a new one
-               **head_kw):           # `HeadConfig` sizes
+
+def train_head(
+    target,  # the frozen target (an mlx-lm model)
+    data: dict,  # {"train": …, "heldout": …}: 1-D token ids, or `extract`'s arrays
+    steps: int,
+    peak_lr: float = 2e-3,
+    seed: int = 0,
+    eval_every: int = 100,
+    log=print,
+    taps: list | None = None,  # the target layers a new head reads (None: `TAPS`)
+    batch: int = BATCH,
+    seq: int = SEQ,
+    draft_vocab: int = 0,  # propose only this many tokens, the most frequent in the training data (0: all)
+    init: DraftHead
+    | None = None,  # go on training this head (its taps, sizes and draft vocabulary stay) instead of a new one
+    **head_kw,
+):  # `HeadConfig` sizes
     "Train a head for `target` for `steps` steps; returns it and the evaluation history."
-    mx.random.seed(seed); rng = np.random.default_rng(seed)
+    mx.random.seed(seed)
+    rng = np.random.default_rng(seed)
     if init is not None:
         ignored = ({"draft_vocab": draft_vocab} if draft_vocab else {}) | head_kw
-        if taps is not None and list(taps) != list(init.cfg.tap_layers): ignored["taps"] = taps
-        if ignored: raise ValueError(f"init= goes on training that head with its own taps, sizes and draft vocabulary; these would be ignored: {ignored}")
+        if taps is not None and list(taps) != list(init.cfg.tap_layers):
+            ignored["taps"] = taps
+        if ignored:
+            raise ValueError(
+                "init= goes on training that head with its own taps, sizes and draft vocabulary; these would be "
+                f"ignored: {ignored}"
+            )
         head, taps = init, init.cfg.tap_layers
     else:
         taps = TAPS if taps is None else taps
         head = DraftHead(HeadConfig.for_target(target, taps, draft_vocab=draft_vocab, **head_kw))
-        if draft_vocab: head.d2t = pick_draft_vocab(data["train"]["y"] if isinstance(data["train"], dict) else data["train"], draft_vocab)
+        if draft_vocab:
+            head.d2t = pick_draft_vocab(
+                data["train"]["y"] if isinstance(data["train"], dict) else data["train"], draft_vocab
+            )
     rows, tap = head.vocab_rows(target), Tap(target, taps)
     held = batch_of(target, tap, data["heldout"], 16, np.random.default_rng(1234), seq)
     positions = batch * (held[0].shape[1] - STEPS_UNROLLED)
-    hist = fit(head, lambda h, x, f, t: sum(losses(h, target, x, f, t, rows=rows)[0]) / STEPS_UNROLLED,
-               (batch_of(target, tap, data["train"], batch, rng, seq) for _ in range(steps)), steps,
-               lambda h: step_figures(*losses(h, target, *held, rows=rows)), peak_lr, eval_every=eval_every,
-               seen=lambda step: {"tokens": step * positions}, log=log)
+    hist = fit(
+        head,
+        lambda h, x, f, t: sum(losses(h, target, x, f, t, rows=rows)[0]) / STEPS_UNROLLED,
+        (batch_of(target, tap, data["train"], batch, rng, seq) for _ in range(steps)),
+        steps,
+        lambda h: step_figures(*losses(h, target, *held, rows=rows)),
+        peak_lr,
+        eval_every=eval_every,
+        seen=lambda step: {"tokens": step * positions},
+        log=log,
+    )
     return head, hist

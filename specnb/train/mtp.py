@@ -17,9 +17,12 @@ from ..sources.mtp import DeepseekMtp, check_mtp_target, checkpoint_tensors
 from .head import BATCH, STEPS_UNROLLED, fit, losses, step_figures, target_batch
 
 # %% ../../nbs/05s_train_mtp.ipynb #b149bdee
-def new_mtp(target,       # the frozen target (an mlx-lm model whose decoder layer 05n can build)
-            seed:int=0)->DeepseekMtp:
-    "An untrained DeepSeek-layout MTP head for `target`, reading the target's embedding and lm-head; `shared_head.norm` starts as the target's final norm."
+def new_mtp(
+    target,  # the frozen target (an mlx-lm model whose decoder layer 05n can build)
+    seed: int = 0,
+) -> DeepseekMtp:
+    """An untrained DeepSeek-layout MTP head for `target`, reading the target's embedding and lm-head;
+    `shared_head.norm` starts as the target's final norm."""
     check_mtp_target(target)
     mx.random.seed(seed)
     head = DeepseekMtp(target, own_head=False, own_embed=False)
@@ -28,27 +31,44 @@ def new_mtp(target,       # the frozen target (an mlx-lm model whose decoder lay
     return head
 
 # %% ../../nbs/05s_train_mtp.ipynb #dc7c1e4c
-def mtp_batch(target, tap:Tap, seqs:np.ndarray, n:int, rng)->tuple:
+def mtp_batch(target, tap: Tap, seqs: np.ndarray, n: int, rng) -> tuple:
     "`n` of the token sequences `seqs` `(N, T)`, with the target's tapped rows and log-probabilities over them."
     x = mx.array(seqs[np.sort(rng.choice(len(seqs), n, replace=False))])
     return (x, *target_batch(target, tap, x))
 
-def train_mtp(target,               # the frozen target (an mlx-lm model)
-              head:DeepseekMtp,     # the head to train (`new_mtp`), in place
-              data:dict,            # {"train": …, "heldout": …}: token sequences `(N, T)`, T = positions + STEPS_UNROLLED
-              steps:int, peak_lr:float=2e-3, batch:int=BATCH, seed:int=0, eval_every:int=100, log=print)->list:
-    "Train `head` on `target`'s last-layer rows and distributions over `data` for `steps` steps; returns the evaluation history."
+
+def train_mtp(
+    target,  # the frozen target (an mlx-lm model)
+    head: DeepseekMtp,  # the head to train (`new_mtp`), in place
+    data: dict,  # {"train": …, "heldout": …}: token sequences `(N, T)`, T = positions + STEPS_UNROLLED
+    steps: int,
+    peak_lr: float = 2e-3,
+    batch: int = BATCH,
+    seed: int = 0,
+    eval_every: int = 100,
+    log=print,
+) -> list:
+    """Train `head` on `target`'s last-layer rows and distributions over `data` for `steps` steps; returns the
+    evaluation history."""
     mx.random.seed(seed)
     rng, tap = np.random.default_rng(seed), Tap(target, [check_mtp_target(target)])
     held = mtp_batch(target, tap, data["heldout"], 16, np.random.default_rng(1234))
     positions = batch * (data["train"].shape[1] - STEPS_UNROLLED)
-    return fit(head, lambda h, x, f, t: sum(losses(h, target, x, f, t)[0]) / STEPS_UNROLLED,
-               (mtp_batch(target, tap, data["train"], batch, rng) for _ in range(steps)), steps,
-               lambda h: step_figures(*losses(h, target, *held)), peak_lr, eval_every=eval_every,
-               seen=lambda step: {"tokens": step * positions}, log=log)
+    return fit(
+        head,
+        lambda h, x, f, t: sum(losses(h, target, x, f, t)[0]) / STEPS_UNROLLED,
+        (mtp_batch(target, tap, data["train"], batch, rng) for _ in range(steps)),
+        steps,
+        lambda h: step_figures(*losses(h, target, *held)),
+        peak_lr,
+        eval_every=eval_every,
+        seen=lambda step: {"tokens": step * positions},
+        log=log,
+    )
 
 # %% ../../nbs/05s_train_mtp.ipynb #3e016a45
-def save_mtp(head:DeepseekMtp, target, path, target_config:dict, dtype=mx.float16)->Path:
-    "Write `head` into the folder `path` as DeepSeek-V3 stores its MTP layer (floating weights cast to `dtype`), with the target's config and `num_nextn_predict_layers: 1`."
+def save_mtp(head: DeepseekMtp, target, path, target_config: dict, dtype=mx.float16) -> Path:
+    """Write `head` into the folder `path` as DeepSeek-V3 stores its MTP layer (floating weights cast to `dtype`), with
+    the target's config and `num_nextn_predict_layers: 1`."""
     config = {**target_config, "num_nextn_predict_layers": 1}
     return write_checkpoint(path, config, checkpoint_tensors(head, target), dtype, indent=2)
