@@ -79,20 +79,21 @@ class Sampling:
             raise ValueError(f"xtc_threshold must be in [0, 0.5], got {self.xtc_threshold}")
 
     @property
+    # float32's smallest normal: below it 1/temp overflows; the limit is argmax
     def greedy(self) -> bool:
-        return self.temp < 2.0**-126  # float32's smallest normal: below it 1/temp overflows; the limit is argmax
+        return self.temp < 2.0**-126
 
-    def _filter(
-        self, logprobs, xtc=False
-    ):  # mlx-lm's make_sampler order: top-p, min-p, XTC, top-k; xtc: the rows XTC cuts
+    # mlx-lm's make_sampler order: top-p, min-p, XTC, top-k; xtc: the rows XTC cuts
+    def _filter(self, logprobs, xtc=False):
         if 0 < self.top_p < 1:
             logprobs = apply_top_p(logprobs, self.top_p)
         if self.min_p != 0:
             logprobs = apply_min_p(logprobs, self.min_p, self.min_tokens_to_keep)
         if xtc is not False:
             logprobs = mx.where(mx.logical_and(xtc, self._xtc_cut(logprobs)), -mx.inf, logprobs)
+        # mlx-lm raises from k = V on
         if 0 < self.top_k < logprobs.shape[-1]:
-            logprobs = apply_top_k(logprobs, self.top_k)  # mlx-lm raises from k = V on
+            logprobs = apply_top_k(logprobs, self.top_k)
         return logprobs
 
     def _xtc_cut(self, logprobs):
@@ -133,8 +134,9 @@ def _seed_of(key: mx.array) -> int:
     one for a key a failed draw left broken."""
     try:
         hi, lo = key.tolist()
+    # a compiled draw that raised outside any stream
     except RuntimeError:
-        return int.from_bytes(os.urandom(8), "little")  # a compiled draw that raised outside any stream
+        return int.from_bytes(os.urandom(8), "little")
     return hi << 32 | lo
 
 
@@ -143,8 +145,9 @@ class RandomStream:
     also when a draw raises."""
 
     def __init__(
-        self, seed: int | None = None
-    ):  # None: draw from the global key (and advance it, unless a draw raises)
+        self,
+        seed: int | None = None,  # None: draw from the global key (and advance it, unless a draw raises)
+    ):
         if seed is not None and not 0 <= seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {seed}")
         self.seed = seed
@@ -266,9 +269,8 @@ def _rejection_window(logits, drafts, sampler, draft_logprobs):
     x = (drafts if isinstance(drafts, mx.array) else mx.array(drafts)).astype(mx.int32)
     rows = mx.arange(d)
     ok = mx.log(mx.random.uniform(shape=(d,))) < lp[rows, x] - draft_logprobs[rows, x]  # u < p(x) / q(x)
-    fix = mx.random.categorical(
-        mx.concatenate([_residual(lp[:d], draft_logprobs), lp[d:]])
-    )  # residuals, then the bonus
+    # residuals, then the bonus
+    fix = mx.random.categorical(mx.concatenate([_residual(lp[:d], draft_logprobs), lp[d:]]))
     return fix, ok
 
 

@@ -151,15 +151,10 @@ def long_context_texts() -> list:
     ]
 
 
-PROMPT_SETS = {
-    "free": lambda: BENCH_TEXTS,
-    "grounded": lambda: GROUNDED_TEXTS,
-    "gemma3": long_context_texts,
-}  # --prompts names
-BENCH_MODELS = {
-    "gemma3": gemma3_270m,
-    "smollm2": smollm2,
-}  # --model names: real targets converted from their PyPI GGUFs
+# --prompts names
+PROMPT_SETS = {"free": lambda: BENCH_TEXTS, "grounded": lambda: GROUNDED_TEXTS, "gemma3": long_context_texts}
+# --model names: real targets converted from their PyPI GGUFs
+BENCH_MODELS = {"gemma3": gemma3_270m, "smollm2": smollm2}
 
 
 def bench_model(name: str | None) -> str | None:
@@ -184,9 +179,8 @@ def _median_s(f, n: int = 15, setup=None) -> float:
 def verify_costs(model, prompt: list, ks) -> dict:
     """Median seconds of one target forward over k new tokens after `prompt`, for each k in `ks` (a verify window of k =
     γ+1)."""
-    cache = make_spec_cache(
-        model, max(ks)
-    )  # sliding-window rings with slack: the window can be given back past the ring's size
+    # sliding-window rings with slack: the window can be given back past the ring's size
+    cache = make_spec_cache(model, max(ks))
     prefill_drain(model, cache, prompt)
 
     def window(k):
@@ -469,16 +463,13 @@ def cmd_bench(args, ranks=None):
     """Run `specnb bench`: print the table, write `bench.json` and the plots to `--out`. With `ranks` (`--distributed`),
     every rank runs it and rank 0 reports."""
     named = [s for s in args.sources.split(",") if s] if args.sources else None
-    if (
-        named is not None and args.no_mlx_lm
-    ):  # only the sources named could read --draft-model: refuse it unread before looking it up (a hub request)
+    # only the sources named could read --draft-model: refuse it unread before looking it up (a hub request)
+    if named is not None and args.no_mlx_lm:
         refuse_unread(named, dict(draft_model=args.draft_model))
-    published = args.draft_model and published_kind(
-        args.draft_model
-    )  # an EAGLE-3 checkpoint: its source, not a second model
-    no_draft = args.model and (
-        not args.draft_model or published
-    )  # a target of one's own and no draft model: no two-model source, no mlx-lm
+    # an EAGLE-3 checkpoint: its source, not a second model
+    published = args.draft_model and published_kind(args.draft_model)
+    # a target of one's own and no draft model: no two-model source, no mlx-lm
+    no_draft = args.model and (not args.draft_model or published)
     default = [s for s in ("two-model", "ngram", "early-exit", "head") if not (no_draft and KINDS[s].needs_draft)] + (
         [published] if published else []
     )
@@ -501,9 +492,8 @@ def cmd_bench(args, ranks=None):
         raise ValueError(f"--max-tokens and --repeats must be >= 1, got {args.max_tokens} and {args.repeats}")
     if no_draft and (s := next((s for s in sources if find_kind(s).needs_draft), None)):
         raise ValueError(f"the {s} source needs a --draft-model for a target other than the bundled one")
-    mlx_lm_drafts = (
-        not args.no_mlx_lm and not published
-    )  # mlx-lm reads --draft-model whatever the sources, when it is a model
+    # mlx-lm reads --draft-model whatever the sources, when it is a model
+    mlx_lm_drafts = not args.no_mlx_lm and not published
     refuse_unread(
         sources,
         dict(
@@ -512,12 +502,10 @@ def cmd_bench(args, ranks=None):
             draft_head=args.draft_head,
         ),
     )
-    pair = (ranks.load if ranks else load_pair)(
-        bench_model(args.model), None if published else args.draft_model
-    )  # no --model: the bundled target (and --draft-model if given)
-    with (
-        ranks.watch() if ranks else nullcontext() as watch
-    ):  # split: a rank that stops making progress ends the job with one line
+    # no --model: the bundled target (and --draft-model if given)
+    pair = (ranks.load if ranks else load_pair)(bench_model(args.model), None if published else args.draft_model)
+    # split: a rank that stops making progress ends the job with one line
+    with ranks.watch() if ranks else nullcontext() as watch:
         result = run_bench(
             pair,
             sources,

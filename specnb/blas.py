@@ -32,8 +32,9 @@ def openblas_coretype(cpuinfo: str | None = None) -> str | None:
     return None
 
 # %% ../nbs/00c_blas.ipynb #21a03273
+# the head of glibc's dl_phdr_info
 class _PhdrInfo(ctypes.Structure):
-    _fields_ = [("addr", ctypes.c_void_p), ("name", ctypes.c_char_p)]  # the head of glibc's dl_phdr_info
+    _fields_ = [("addr", ctypes.c_void_p), ("name", ctypes.c_char_p)]
 
 
 class _DlInfo(ctypes.Structure):
@@ -54,9 +55,8 @@ def loaded_libraries() -> list[str]:
 
     def add(info, size, data):
         name = os.fsdecode(info.contents.name or b"")
-        names.append(
-            os.path.realpath(name) if os.path.isabs(name) else name
-        )  # the program itself is "", the vDSO a bare name
+        # the program itself is "", the vDSO a bare name
+        names.append(os.path.realpath(name) if os.path.isabs(name) else name)
         return 0
 
     ctypes.CDLL(None).dl_iterate_phdr(_PHDR_CALLBACK(add), None)

@@ -220,16 +220,16 @@ def cmd_generate(args, out=None, err=None):
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    sampling = Sampling(
-        temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k
-    )  # bad values: a ValueError naming them
+    # bad values: a ValueError naming them
+    sampling = Sampling(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     _check_sampling(args)
     ranks = _ranks(args, err)
     pair, provider, kind = load_drafting(args, loader=ranks.load if ranks else None)
     tok = pair.tokenizer
+    # one seed everywhere; rank 0 prints
     if ranks:
         ranks.seed(args.seed)
-        out, err = ranks.output(out), ranks.output(err)  # one seed everywhere; rank 0 prints
+        out, err = ranks.output(out), ranks.output(err)
     elif args.seed is not None:
         mx.random.seed(args.seed)
     text = (
@@ -248,9 +248,8 @@ def cmd_generate(args, out=None, err=None):
     text = DecodedText(tok)
     if not args.no_echo:
         out.write(echo(args.prompt, out, args.chat))
-    watch = (
-        ranks.watch() if ranks else None
-    )  # with --distributed: a rank that stops making progress ends the job with one line
+    # with --distributed: a rank that stops making progress ends the job with one line
+    watch = ranks.watch() if ranks else None
     stream = spec_stream(
         pair.target,
         provider,
@@ -308,9 +307,8 @@ def main(argv=None):
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"specnb: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (
-        RuntimeError
-    ) as e:  # a collective that failed: another rank died (single-process errors keep their traceback)
+    # a collective that failed: another rank died (single-process errors keep their traceback)
+    except RuntimeError as e:
         if not getattr(args, "distributed", False):
             raise
         from specnb.distributed import fail_rank

@@ -18,8 +18,9 @@ class DecodedText:
     def _step(self, final: bool) -> str:
         before = self.tokenizer.decode(self.ids[self._start : self._read])
         now = self.tokenizer.decode(self.ids[self._start :])
+        # wait for the rest of a character
         if not final and (now.endswith("\ufffd") or len(now) <= len(before)):
-            return ""  # wait for the rest of a character
+            return ""
         delta = now[len(before) :]
         self._start, self._read, self.text = self._read, len(self.ids), self.text + delta
         return delta

@@ -74,8 +74,9 @@ def _check_split(path: Path, pipeline: bool):
         raise ValueError(f"mlx-lm's {arch} model has no tensor parallelism (no shard()); try --pipeline")
 
 
+# a local mlx-lm folder (or hub id) of the target; None: the bundled target
 def load_sharded_pair(
-    target: str | Path | None = None,  # a local mlx-lm folder (or hub id) of the target; None: the bundled target
+    target: str | Path | None = None,
     draft: str | Path | None = None,  # the draft, whole on every rank; None: the bundled draft with the bundled target
     pipeline: bool = False,  # pipeline parallel; default tensor parallel
     group=None,  # the ranks to split over (default: every rank of the job)
@@ -183,9 +184,8 @@ def on_launcher_exit(
     parent = os.getppid()
     wake, alarm = os.pipe()
     os.set_blocking(alarm, False)
-    signal.set_wakeup_fd(
-        alarm, warn_on_full_buffer=False
-    )  # the C-level handler writes each signal's number here, from any thread
+    # the C-level handler writes each signal's number here, from any thread
+    signal.set_wakeup_fd(alarm, warn_on_full_buffer=False)
 
     def watch():
         while True:

@@ -42,7 +42,8 @@ class SpecStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     fallback_at: int | None = None  # tokens emitted when plain decoding took over (a sliding window filled)
-    rule: str = "match"  # the acceptance rule the rounds used: "match", or "rejection" (speculative sampling)
+    # the acceptance rule the rounds used: "match", or "rejection" (speculative sampling)
+    rule: str = "match"
 
     @property
     def prefill_tps(self) -> float:
@@ -101,12 +102,10 @@ class SpecResult:
     stats: SpecStats = field(default_factory=SpecStats)
     fed: int = 0  # the target cache holds prompt + tokens[:fed]
     draft_cache: list | None = None  # with a prompt cache: the source's caches, holding the same tokens
-    logprobs: list = field(
-        default_factory=list
-    )  # with `logprobs=k`: per emitted token, `(logprob, [(id, logprob)] * k)`
-    prompt_logprobs: list = field(
-        default_factory=list
-    )  # with `prompt_logprobs=k`: the same per prompt token (None for the first)
+    # with `logprobs=k`: per emitted token, `(logprob, [(id, logprob)] * k)`
+    logprobs: list = field(default_factory=list)
+    # with `prompt_logprobs=k`: the same per prompt token (None for the first)
+    prompt_logprobs: list = field(default_factory=list)
 
 # %% ../nbs/07_executor.ipynb #cf1912dc
 def spec_options(
@@ -123,10 +122,10 @@ def spec_options(
     prefill_step_size: int = 2048,  # prompt tokens per prefill forward (mlx-lm's `speculative_generate_step` uses 512)
     acceptance: str = "match",  # "match": keep a draft the target samples too; "rejection": speculative sampling
     should_stop=None,  # asked between prefill chunks; True abandons the request ("cancelled")
-    logprobs: int
-    | None = None,  # per emitted token, its log-probability and this many alternatives (`res.logprobs`); None: none
-    prompt_logprobs: int
-    | None = None,  # the same per prompt token, from the prefill (`res.prompt_logprobs`); needs no `cached_tokens`
+    # per emitted token, its log-probability and this many alternatives (`res.logprobs`); None: none
+    logprobs: int | None = None,
+    # the same per prompt token, from the prefill (`res.prompt_logprobs`); needs no `cached_tokens`
+    prompt_logprobs: int | None = None,
 ) -> SimpleNamespace:
     "The generation options, as one value: the one place they are named, defaulted and documented."
     return SimpleNamespace(**locals())
@@ -335,8 +334,9 @@ def accept_drafts(
     toks, k = accept_walk(
         logits, drafts, r.o.sampler, r.procs, r.o.grammar, r.history(), r.eos, draft_logprobs=q, seen=seen
     )
+    # the whole window: one read-back
     if seen is not None:
-        r.scores = position_logprobs(mx.concatenate(seen), toks, r.o.logprobs)  # the whole window: one read-back
+        r.scores = position_logprobs(mx.concatenate(seen), toks, r.o.logprobs)
     return toks, k
 
 # %% ../nbs/07_executor.ipynb #f87b215f
@@ -426,14 +426,14 @@ def close_request(
 ):
     "Save the draft's caches beside a prompt cache, close the source, and count."
     if r.source is not None:
-        if (
-            r.o.prompt_cache is not None and r.res.finish_reason != "cancelled"
-        ):  # a cut-short prefill holds nothing worth saving
+        # a cut-short prefill holds nothing worth saving
+        if r.o.prompt_cache is not None and r.res.finish_reason != "cancelled":
             held = r.full + r.out[: r.res.fed]
             if r.tap is None:
                 r.res.draft_cache = r.source.save(held)
+            # and the kept rows it has not read
             else:
-                r.res.draft_cache = r.source.save(held, anchor_hidden=r.tap.take())  # and the kept rows it has not read
+                r.res.draft_cache = r.source.save(held, anchor_hidden=r.tap.take())
         r.source.close()
     r.res.stats.generated = len(r.out)
     r.res.stats.decode_s = time.perf_counter() - t1

@@ -96,9 +96,8 @@ def _value(f):
         return f.contents()
     if f.types[-1] == GGUFValueType.STRING:
         return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
-    return (
-        np.concatenate([f.parts[i] for i in f.data]).tolist() if f.data else []
-    )  # `contents()` is ~50x slower on long arrays
+    # `contents()` is ~50x slower on long arrays
+    return np.concatenate([f.parts[i] for i in f.data]).tolist() if f.data else []
 
 
 def gguf_metadata(reader: GGUFReader) -> dict:
@@ -186,12 +185,9 @@ def _common(quant: dict) -> dict | None:
     return {**json.loads(common), **{k: v for k, v in quant.items() if json.dumps(v) != common}}
 
 
-GGUF_REQUANT = dict(
-    group_size=32,
-    bits=8,
-    # MLX's affine grid always holds 0, llama.cpp's grids need not: fewer bits would add a rounding as large as the
-    # file's own
-)
+# MLX's affine grid always holds 0, llama.cpp's grids need not: fewer bits would add a rounding as large as the file's
+# own
+GGUF_REQUANT = dict(group_size=32, bits=8)
 
 
 def gguf_weights(
@@ -214,8 +210,9 @@ def gguf_weights(
             quant[stem] = dict(group_size=32, bits=w.shape[-1] // s.shape[-1])  # uint32 words per 32 weights == bits
             continue
         w = gguf_tensor(t)
+        # the file stores Gemma's `1 + weight`; mlx-lm adds the 1
         if arch == "gemma3" and name.endswith("norm.weight"):
-            w = w - 1  # the file stores Gemma's `1 + weight`; mlx-lm adds the 1
+            w = w - 1
         if dtype != "quantized":
             out[name] = w.astype(GGUF_DTYPES[dtype])
         elif t.tensor_type in GGUF_FLOATS or w.ndim != 2 or w.shape[-1] % GGUF_REQUANT["group_size"]:
@@ -310,12 +307,12 @@ def gguf_tokenizer(meta: dict, name: str = "this GGUF") -> tuple[Tokenizer, dict
             "SentencePiece: pass tokenizer=<folder with tokenizer.json>"
         )
     tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type", [])
+    # control
     tok.add_special_tokens(
         [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
-    )  # control
-    vocab = (
-        tok.get_vocab()
-    )  # a user-defined token the vocabulary respells (Gemma's runs of spaces) stays a vocabulary token
+    )
+    # a user-defined token the vocabulary respells (Gemma's runs of spaces) stays a vocabulary token
+    vocab = tok.get_vocab()
     tok.add_tokens(
         [
             AddedToken(tokens[i], special=False, normalized=False)

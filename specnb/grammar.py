@@ -193,14 +193,8 @@ _ONE = {
     "else",
 }
 _LIST = {"prefixItems", "allOf", "anyOf", "oneOf", "items"}
-_MAP = {
-    "properties",
-    "patternProperties",
-    "dependentSchemas",
-    "dependencies",
-    "$defs",
-    "definitions",
-}  # name → subschema
+# name → subschema
+_MAP = {"properties", "patternProperties", "dependentSchemas", "dependencies", "$defs", "definitions"}
 
 
 def _label(k: str, v, node: dict, types: set) -> str | None:
@@ -259,9 +253,8 @@ def _constraints(schema, at: str = "", implied=()):
         if k in _MAP and isinstance(v, dict):
             for name, sub in v.items():
                 yield from _constraints(sub, f"{here}/{_escape(name)}")
-        elif (
-            k in _ONE and isinstance(v, dict) and (k != "if" or "then" in schema or "else" in schema)
-        ):  # a lone `if` gates nothing
+        # a lone `if` gates nothing
+        elif k in _ONE and isinstance(v, dict) and (k != "if" or "then" in schema or "else" in schema):
             yield from _constraints(v, here, ["string"] if k == "propertyNames" else ())
         elif k in _LIST and isinstance(v, list):
             for i, sub in enumerate(v):
@@ -272,8 +265,9 @@ def _escape(name) -> str:
     return str(name).replace("~", "~0").replace("/", "~1")  # a JSON pointer's escapes
 
 # %% ../nbs/06_grammar.ipynb #76ac062d
+# the rows of the probe's table that xgrammar enforces (the cell below checks this against the table)
 ENFORCED = frozenset(
-    {  # the rows of the probe's table that xgrammar enforces (the cell below checks this against the table)
+    {
         "type",
         "type (list)",
         "enum",

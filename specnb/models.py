@@ -25,8 +25,8 @@ from mlx_lm.utils import _get_classes
 BUNDLED = ("target", "draft", "head")
 
 
+# "target" or "draft" (load with `mlx_lm.load`), or "head" (the draft head, `specnb.load_head`)
 def bundled_dir(
-    # "target" or "draft" (load with `mlx_lm.load`), or "head" (the draft head, `specnb.load_head`)
     name: str = "target",
 ) -> Path:
     "The folder of one of the bundled models."
@@ -85,9 +85,8 @@ class ModelPair(NamedTuple):
 
 def load_pair(
     target: str | Path | None = None,  # folder or hub id of the target; None: the bundled target
-    draft: str
-    | Path
-    | None = None,  # folder or hub id of the draft; None: the bundled draft if the target is bundled too
+    # folder or hub id of the draft; None: the bundled draft if the target is bundled too
+    draft: str | Path | None = None,
 ) -> ModelPair:
     "Load a target and draft with `mlx_lm.load` and check that they can be paired."
     if target is None:

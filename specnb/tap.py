@@ -19,12 +19,14 @@ class _Recorder:
     def __init__(self, layer, recorded, index):
         self.layer, self.recorded, self.index = layer, recorded, index
 
+    # the model may read a layer's attributes (`use_sliding`)
     def __getattr__(self, name):
-        return getattr(self.layer, name)  # the model may read a layer's attributes (`use_sliding`)
+        return getattr(self.layer, name)
 
     @property
+    # ... or its class (OLMo-Hybrid picks each layer's mask by `isinstance`)
     def __class__(self):
-        return type(self.layer)  # ... or its class (OLMo-Hybrid picks each layer's mask by `isinstance`)
+        return type(self.layer)
 
     def __call__(self, *args, **kwargs):
         h = self.layer(*args, **kwargs)

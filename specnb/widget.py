@@ -124,13 +124,13 @@ def watch(model, provider, prompt, tokenizer, *, title: str = "", refresh_s: flo
     view = widgets.HTML()
     handle = display(view, display_id=True)
     with spec_stream(model, provider, prompt, **kwargs) as stream:
+        # the widget ends on the finished view, so saved widget state is true too
         for f in frames(stream, tokenizer, title, refresh_s):
-            view.value = f  # the widget ends on the finished view, so saved widget state is true too
+            view.value = f
     final = HTML(view.value)
+    # the live widget's place now holds the last frame as plain HTML, which a saved notebook keeps
     if handle is not None:
-        handle.update(
-            final
-        )  # the live widget's place now holds the last frame as plain HTML, which a saved notebook keeps
+        handle.update(final)
     else:
         display(final)
     view.close()

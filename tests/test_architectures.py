@@ -61,6 +61,7 @@ EARLY_EXIT = {
     "gear",
     "olmo_hybrid",
 }
+# and EAGLE-3, DFlash (nbs/05m_eagle3.ipynb, 05q_dflash.ipynb)
 HEAD = {
     "llama",
     "qwen3",
@@ -73,7 +74,7 @@ HEAD = {
     "kimi_linear",
     "gear",
     "olmo_hybrid",
-}  # and EAGLE-3, DFlash (nbs/05m_eagle3.ipynb, 05q_dflash.ipynb)
+}
 
 
 def windowed(arch: str) -> bool:
@@ -108,9 +109,8 @@ def models(arch: str, window: int):
                 cfg["sliding_window"] = window
             m = model_from_config(cfg)
         head = random_head(m, [0, 1], hidden_size=32, intermediate_size=64) if arch in HEAD else None
-        eagle = (
-            random_eagle3(m, [1, 2]) if arch in HEAD else None
-        )  # hidden_states 1 and 2: the outputs of layers 0 and 1
+        # hidden_states 1 and 2: the outputs of layers 0 and 1
+        eagle = random_eagle3(m, [1, 2]) if arch in HEAD else None
         dflash = random_dflash(m, [0, 1], block_size=16) if arch in HEAD else None
         _models[key] = m, perturbed(m, 0.05), head, eagle, dflash
     return _models[key]
@@ -147,11 +147,8 @@ def check_case(arch, source, window, gamma, step, prompt, max_tokens=24):
     )
     r = spec_generate(target, prov, prompt, num_draft_tokens=gamma, max_tokens=max_tokens, prefill_step_size=step)
     assert r.tokens == plain, (arch, source, window, gamma, step)
-    assert r.stats.fallback_at is None and r.stats.rounds > 0, (
-        arch,
-        source,
-        r.stats,
-    )  # the prompt alone is longer than the window
+    # the prompt alone is longer than the window
+    assert r.stats.fallback_at is None and r.stats.rounds > 0, (arch, source, r.stats)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -176,9 +173,8 @@ def test_refusals(arch):
     target, llama = models(arch, 8)[0], models("llama", 8)[0]
     head, eagle = random_head(llama, [0, 1], hidden_size=32), random_eagle3(llama, [1, 2])
     sized = target if hasattr(text_model(target), "args") else llama  # PLaMo 2 keeps `config`
-    dflash = random_dflash(
-        sized, [0, 1], block_size=8
-    )  # sized for the target: refused for how its layers are built, not for its sizes
+    # sized for the target: refused for how its layers are built, not for its sizes
+    dflash = random_dflash(sized, [0, 1], block_size=8)
     kinds = [
         k
         for k, ok in (

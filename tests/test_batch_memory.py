@@ -38,9 +38,8 @@ def test_reserved_covers_the_batch(arch):
     target, _ = measure_footprints(model, NgramProvider())
     lengths, max_tokens = [40, 90, 120, 160], 24
     prompts = [[(7 * i + j) % 100 + 1 for j in range(n)] for i, n in enumerate(lengths)]  # repeats: lookup drafts
-    reserved = [
-        target.bytes(n + max_tokens + 4, 4) for n in lengths
-    ]  # the Engine's estimate at γ 3: 4 positions verified a round
+    # the Engine's estimate at γ 3: 4 positions verified a round
+    reserved = [target.bytes(n + max_tokens + 4, 4) for n in lengths]
     peak = peak_bytes(model, prompts, max_tokens)
     assert 0 < peak <= held_by(reserved), (peak, held_by(reserved))
 
@@ -51,14 +50,11 @@ def test_windows_and_states_are_reserved_as_such():
     full, _ = measure_footprints(MODELS["full"](), NgramProvider())
     sliding, _ = measure_footprints(MODELS["sliding"](), NgramProvider())
     hybrid, _ = measure_footprints(MODELS["hybrid"](), NgramProvider())
-    assert sliding.bytes(2000) < 0.6 * full.bytes(2000), (
-        sliding.bytes(2000),
-        full.bytes(2000),
-    )  # 2 of 4 layers keep ~16 positions
+    # 2 of 4 layers keep ~16 positions
+    assert sliding.bytes(2000) < 0.6 * full.bytes(2000), (sliding.bytes(2000), full.bytes(2000))
     assert sliding.bytes(4000) - sliding.bytes(2000) <= 0.5 * (full.bytes(4000) - full.bytes(2000))
-    assert (
-        hybrid.fixed == hybrid.state > 0 and len(hybrid.terms) == 2
-    )  # Gated DeltaNet state: constant; only its 2 attention layers grow
+    # Gated DeltaNet state: constant; only its 2 attention layers grow
+    assert hybrid.fixed == hybrid.state > 0 and len(hybrid.terms) == 2
     assert hybrid.bytes(2000, 4) == hybrid.bytes(2000) + 5 * hybrid.state and sliding.state == full.state == 0
 
 

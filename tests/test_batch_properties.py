@@ -11,17 +11,8 @@ from specnb.sources.ngram import NgramProvider
 from specnb.sources.two_model import TwoModelProvider
 from test_architectures import models
 
-ARCHS = [
-    "llama",
-    "gemma3_text",
-    "gpt_oss",
-    "qwen3_5",
-    "lfm2",
-    "mamba2",
-    "nemotron_h",
-    "recurrent_gemma",
-    "falcon_h1",
-]  # windows of 8 where they slide
+# windows of 8 where they slide
+ARCHS = ["llama", "gemma3_text", "gpt_oss", "qwen3_5", "lfm2", "mamba2", "nemotron_h", "recurrent_gemma", "falcon_h1"]
 
 
 def provider(kind: str, draft):

@@ -37,7 +37,8 @@ def test_opt_out():
 
 def test_mlx_imported_first_warns_once():
     r = fresh("import mlx.core, specnb; specnb.blas.load_openblas(); print(specnb.blas.blas_in_use())")
-    assert r.stdout.strip() == "reference"  # loaded after MLX, OpenBLAS would never be called: not loaded, not reported
+    # loaded after MLX, OpenBLAS would never be called: not loaded, not reported
+    assert r.stdout.strip() == "reference"
     assert r.stderr.count("MLX was imported before specnb") == (1 if HAVE else 0), r.stderr
 
 

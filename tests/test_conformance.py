@@ -102,9 +102,8 @@ def test_the_protocol_declares_exactly_what_the_executor_passes():
     used = set()
     for name, args, kw in calls:
         proto = DraftProvider.open if name == "open" else getattr(DraftSource, name)
-        bound = inspect.signature(proto).bind(
-            None, *args, **kw
-        )  # a TypeError: the executor passes what the protocol does not declare
+        # a TypeError: the executor passes what the protocol does not declare
+        bound = inspect.signature(proto).bind(None, *args, **kw)
         used |= {(name, p) for p in bound.arguments if p != "self"}
     declared = {
         (n, p)

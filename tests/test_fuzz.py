@@ -216,11 +216,12 @@ CHECKS = [
     "openai_error_shape",
     "schema_valid_not_refused_as_invalid",
 ]
+# one failure hides no other
 FUZZ_CONFIG = {
     "seed": 29,
     "workers": 1,
     "request-timeout": 60,
-    "continue-on-failure": True,  # one failure hides no other
+    "continue-on-failure": True,
     "generation": {"max-examples": 200, "deterministic": True, "database": "none"},
     "phases": {"stateful": {"enabled": False}},
     "output": {"sanitization": {"enabled": False}},  # max_tokens is no secret
@@ -233,9 +234,8 @@ def schemathesis_failures(url) -> tuple[list[str], int]:
     curl line), and the cases sent."""
     schema = schemathesis.openapi.from_url(url + "/openapi.json", config=schemathesis.Config.from_dict(FUZZ_CONFIG))
     failures, n = {}, 0  # (operation, check, message) -> [times, curl]
-    for ev in schemathesis.engine.from_schema(
-        schema
-    ).execute():  # the engine, as `st run` drives it (its pytest plugin predates pytest 9.2)
+    # the engine, as `st run` drives it (its pytest plugin predates pytest 9.2)
+    for ev in schemathesis.engine.from_schema(schema).execute():
         if isinstance(ev, events.ScenarioFinished):
             n += len(ev.recorder.cases)
             for check in (c for checks in ev.recorder.checks.values() for c in checks if c.failure_info):
@@ -261,8 +261,9 @@ def test_schemathesis_finds_nothing(server):
 
 # ## hypothesis over both endpoints' bodies
 
+# NaN and inf: not JSON at all
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),  # NaN and inf: not JSON at all
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
     lambda xs: st.lists(xs, max_size=3) | st.dictionaries(st.text(max_size=4), xs, max_size=3),
     max_leaves=6,
 )
@@ -400,11 +401,12 @@ def answer_problem(path, body, r: httpx.Response) -> str | None:
     if not 0 <= d["usage"]["completion_tokens"] <= LIMIT:
         return f"usage: {d['usage']}"
     fmt = body.get("response_format") or {}
+    # whole, not cut
     if (
         fmt.get("type") in ("json_object", "json_schema")
         and d["choices"][0]["finish_reason"] == "stop"
         and not body.get("stop")
-    ):  # whole, not cut
+    ):
         try:
             value = json.loads(text_of(r))
         except ValueError:
@@ -433,9 +435,8 @@ def answer_problem(path, body, r: httpx.Response) -> str | None:
 def test_hypothesis_bodies(server, path, data):
     body = data.draw(bodies(path), label="body")
     r = post(server.url, path, body)
-    event(
-        f"{r.status_code} {'streamed' if body.get('stream') is True else 'whole'}"
-    )  # pytest --hypothesis-show-statistics
+    # pytest --hypothesis-show-statistics
+    event(f"{r.status_code} {'streamed' if body.get('stream') is True else 'whole'}")
     assert (why := answer_problem(path, body, r)) is None, (
         f"{why}\nbody: {json.dumps(body, ensure_ascii=True)}\nlog: {server.output()[-3000:]}"
     )

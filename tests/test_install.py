@@ -27,8 +27,9 @@ def closure(reqs: list) -> set:
         seen.add((name, frozenset(extras)))
         try:
             dist = md.distribution(req.name)
+        # not installed here: its imports count as undeclared, never the reverse
         except md.PackageNotFoundError:
-            continue  # not installed here: its imports count as undeclared, never the reverse
+            continue
         for sub in map(Requirement, dist.requires or []):
             if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in {"", *extras}):
                 todo.append((sub, set(sub.extras)))

@@ -13,13 +13,8 @@ from specnb.models import random_model, perturbed
 
 from test_architectures import EARLY_EXIT, HEAD, models as arch_models
 
-ARCHS = [
-    "llama",
-    "gemma3_text",
-    "gpt_oss",
-    "qwen3_5",
-    "qwen3_next",
-]  # drawn too: random llamas, sliding windows of 16, hybrids
+# drawn too: random llamas, sliding windows of 16, hybrids
+ARCHS = ["llama", "gemma3_text", "gpt_oss", "qwen3_5", "qwen3_next"]
 
 _cache = {}
 
@@ -164,9 +159,8 @@ def test_sampled_rounds_keep_the_invariant(
     consistent stats, reproducible."""
     assume(applies(source, arch))
     target, draft = models(seed, window, 0.1, arch)
-    made = provider(
-        source, target, draft, seed, arch=arch, ngram_min=2 if source == "head+lookup" else 1
-    )  # before seeding: a random head draws from the generator too
+    # before seeding: a random head draws from the generator too
+    made = provider(source, target, draft, seed, arch=arch, ngram_min=2 if source == "head+lookup" else 1)
 
     def run():
         mx.random.seed(draw)

@@ -45,13 +45,11 @@ def job(tmp_path, stderr_gone: bool = False):
     specnb, launcher = (shutil.which(c, path=here) or shutil.which(c) for c in ("specnb", "mlx.launch"))
     port = _free_port()
     serve = [specnb, "serve", "--distributed", "--port", str(port), "--log-level", "warning"]
-    rank = (
-        ["bash", "-c", 'exec "$@" 2> >(exit 0)', "rank", *serve] if stderr_gone else serve
-    )  # exec: the rank keeps the launcher as its parent
+    # exec: the rank keeps the launcher as its parent
+    rank = ["bash", "-c", 'exec "$@" 2> >(exit 0)', "rank", *serve] if stderr_gone else serve
     log = tmp_path / "job.log"
-    with open(
-        log, "w"
-    ) as out:  # a ring port of its own (two: one per rank), so that jobs started by other tests never collide
+    # a ring port of its own (two: one per rank), so that jobs started by other tests never collide
+    with open(log, "w") as out:
         p = subprocess.Popen(
             [launcher, "--backend", "ring", "-n", "2", "--starting-port", str(_free_port()), "--", *rank],
             stdout=out,

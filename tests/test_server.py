@@ -441,9 +441,8 @@ def test_every_field_is_honoured_or_refused(client, url):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, reasoning_effort="low")
     assert e.value.body["param"] == "reasoning_effort"
-    with pytest.raises(
-        openai.BadRequestError
-    ) as e:  # the bundled template knows no tool-call format: tools would be ignored
+    # the bundled template knows no tool-call format: tools would be ignored
+    with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
             model=MODEL, messages=msgs, max_tokens=4, tools=[{"type": "function", "function": {"name": "f"}}]
         )
@@ -455,14 +454,14 @@ def test_every_field_is_honoured_or_refused(client, url):
         extra_body={"logit_bias": NO_EOS},
     )
     plain = client.chat.completions.create(**ask)
+    # drafted from first
     pred = client.chat.completions.create(
         **ask, prediction={"type": "content", "content": plain.choices[0].message.content}
-    )  # drafted from first
+    )
     assert pred.choices[0].message.content == plain.choices[0].message.content
     assert pred.usage.speculation["target_calls"] < plain.usage.speculation["target_calls"], (pred.usage, plain.usage)
-    echoed = (
-        client.completions.create(model=MODEL, prompt="x = ", max_tokens=6, echo=True).choices[0].text
-    )  # echo: the prompt, then the answer
+    # echo: the prompt, then the answer
+    echoed = client.completions.create(model=MODEL, prompt="x = ", max_tokens=6, echo=True).choices[0].text
     assert echoed == "x = " + client.completions.create(model=MODEL, prompt="x = ", max_tokens=6).choices[0].text
     assert (
         "".join(
@@ -483,9 +482,8 @@ def test_a_bad_request_beside_a_batch_stays_its_own(client, url):
     def hostile():
         out = []
         for extra in HOSTILE:
-            body = json.dumps(
-                {"prompt": "def f(", "max_tokens": 8, **extra}
-            ).encode()  # json.dumps: 2**64 and 5e-324 as written
+            # json.dumps: 2**64 and 5e-324 as written
+            body = json.dumps({"prompt": "def f(", "max_tokens": 8, **extra}).encode()
             r = httpx.post(
                 url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60
             )
@@ -505,9 +503,8 @@ def test_a_bad_request_beside_a_batch_stays_its_own(client, url):
         if status == 400:
             assert body["error"]["param"] == next(iter(extra)), (extra, body)
     assert [s for _, s, _ in answers] == [400, 400, 200, 200, 400, 400, 200, 400, 200], answers
-    assert answers[6][2]["choices"][0]["text"].startswith(
-        "{"
-    )  # a temperature too small for float32: greedy, inside the grammar
+    # a temperature too small for float32: greedy, inside the grammar
+    assert answers[6][2]["choices"][0]["text"].startswith("{")
     assert answers[-1][2]["usage"]["completion_tokens"] == 8  # ignore_eos: to max_tokens
 
 
@@ -530,9 +527,8 @@ def test_unknown_model_is_a_404_model_not_found(client, url, endpoint, body):
     }
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-    err = e.value.body.get(
-        "error", e.value.body
-    )  # openai 1.x hands over the inner object, later versions the whole body
+    # openai 1.x hands over the inner object, later versions the whole body
+    err = e.value.body.get("error", e.value.body)
     assert (e.value.status_code, err["code"], err["param"]) == (404, "model_not_found", "model")
     assert metric(url, "specnb_refused_requests_total", reason="model_not_found") == before + 2
 
@@ -589,9 +585,8 @@ def test_models_health_metrics(client, url):
     assert [m.id for m in client.models.list()] == [MODEL]
     h = httpx.get(url + "/health").json()
     assert (h["status"], h["model"], h["draft_kind"]) == ("ok", MODEL, "two-model")
-    assert (
-        h["blas"].startswith("openblas") if OPENBLAS.exists() else h["blas"] == "reference"
-    )  # the server restarts itself with OpenBLAS
+    # the server restarts itself with OpenBLAS
+    assert h["blas"].startswith("openblas") if OPENBLAS.exists() else h["blas"] == "reference"
     names = {f.name for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
     for n in (
         "specnb_requests",
@@ -795,10 +790,8 @@ def test_prompt_cache_on_sliding_and_hybrid_targets(kind, tmp_path):
         ).tokens
     )
     # token ids, not text: a random model's text need not encode back to the same tokens, and a wrapped ring cannot be
-    # cut back to a shorter match
-    prompt = tok.encode(
-        "def read_config(path):\n    with open(path) as f:\n        return f.read()\n\n" * 2
-    )  # longer than the window
+    # cut back to a shorter match longer than the window
+    prompt = tok.encode("def read_config(path):\n    with open(path) as f:\n        return f.read()\n\n" * 2)
     with running_server("--model", str(tmp_path / "target"), "--draft-model", str(tmp_path / "draft")) as u:
         c = openai.OpenAI(base_url=u + "/v1", api_key="not-needed", max_retries=0, timeout=120)
         name = c.models.list().data[0].id
@@ -830,10 +823,9 @@ def test_prompt_cache_on_sliding_and_hybrid_targets(kind, tmp_path):
 # -------------------------------------------------------------------------------
 
 
+# openai 1.x hands over the inner object, later versions the whole body
 def _error(e) -> dict:
-    return e.value.body.get(
-        "error", e.value.body
-    )  # openai 1.x hands over the inner object, later versions the whole body
+    return e.value.body.get("error", e.value.body)
 
 
 def test_an_over_long_prompt_is_refused_within_a_second(client, url):
@@ -857,9 +849,8 @@ def test_an_over_long_prompt_is_refused_within_a_second(client, url):
             model=MODEL, messages=[{"role": "user", "content": "word " * 2000}], max_tokens=10
         )
     assert (_error(e)["code"], _error(e)["param"]) == ("context_length_exceeded", "messages")
-    r = client.completions.create(
-        model=MODEL, prompt=[5] * 1000, extra_body={"logit_bias": NO_EOS}
-    )  # no max_tokens: what fits
+    # no max_tokens: what fits
+    r = client.completions.create(model=MODEL, prompt=[5] * 1000, extra_body={"logit_bias": NO_EOS})
     assert r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length"
     assert metric(url, "specnb_refused_requests_total", reason="context_length_exceeded") >= 3
 
@@ -1002,10 +993,8 @@ def test_a_hang_up_during_a_long_prefill_frees_the_worker(long_context):
     t0 = time.monotonic()
     assert c.completions.create(model=name, prompt=[5, 6, 7], max_tokens=4).usage.completion_tokens == 4
     whole_freed = time.monotonic() - t0
-    assert streamed_freed < 6 and whole_freed < 6, (
-        streamed_freed,
-        whole_freed,
-    )  # a 64-token chunk, plus slack for a loaded machine
+    # a 64-token chunk, plus slack for a loaded machine
+    assert streamed_freed < 6 and whole_freed < 6, (streamed_freed, whole_freed)
     assert metric(url, "specnb_requests_total", endpoint="completions", finish_reason="cancelled") == before + 2
 
 
@@ -1045,9 +1034,8 @@ def test_api_keys_and_a_prompt_exit_on_sigterm():
         )
         for _, _ in zip(range(3), stream):
             pass
-        with ThreadPoolExecutor(
-            1
-        ) as ex:  # the second cannot end before SIGTERM: 900 tokens and no EOS, whether it waits or joins the batch
+        # the second cannot end before SIGTERM: 900 tokens and no EOS, whether it waits or joins the batch
+        with ThreadPoolExecutor(1) as ex:
             queued = ex.submit(
                 httpx.post,
                 s.url + "/v1/completions",
@@ -1055,9 +1043,8 @@ def test_api_keys_and_a_prompt_exit_on_sigterm():
                 headers={"Authorization": f"Bearer {key}"},
                 timeout=60,
             )
-            on = lambda h: (
-                h["queue_depth"] + h["running"]
-            )  # batched (the default), the second joins the first's batch instead of waiting
+            # batched (the default), the second joins the first's batch instead of waiting
+            on = lambda h: h["queue_depth"] + h["running"]
             _wait(
                 lambda: on(httpx.get(s.url + "/health").json()) == 2,
                 "the second request was neither queued nor running",
@@ -1166,9 +1153,8 @@ def test_join_leave_cancel_full_queue_and_a_follow_up(pair):
         with ThreadPoolExecutor(8) as ex:
             rs = list(ex.map(lambda _: httpx.post(u + "/v1/completions", json=burst, timeout=120), range(8)))
         codes = sorted(r.status_code for r in rs)
-        assert set(codes) == {200, 503} and codes.count(200) >= 3, (
-            codes
-        )  # three in the batch, two waiting; the rest are told to retry
+        # three in the batch, two waiting; the rest are told to retry
+        assert set(codes) == {200, 503} and codes.count(200) >= 3, codes
         assert all(r.headers["retry-after"] == "1" for r in rs if r.status_code == 503)
         assert metric(u, "specnb_requests_total", endpoint="completions", finish_reason="cancelled") >= 1
         msgs = [{"role": "user", "content": "def mean(xs):"}]
@@ -1204,9 +1190,8 @@ def test_load_32_clients_all_answered():
             refused += codes.count(503)
             assert set(codes) <= {200, 503} and 200 in codes, codes
             assert all(r.json()["usage"]["completion_tokens"] == 24 for r in rs if r.status_code == 200)
-            assert (
-                len({r.json()["choices"][0]["text"] for r in rs if r.status_code == 200}) == 1
-            )  # the same request, the same text
+            # the same request, the same text
+            assert len({r.json()["choices"][0]["text"] for r in rs if r.status_code == 200}) == 1
             assert took < 90, took
             h = _idle(u)
             assert (h["status"], h["queue_depth"], h["running"], h["memory"]["requests"]) == ("ok", 0, 0, 0), h

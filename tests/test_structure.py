@@ -97,8 +97,8 @@ def private_uses(rel: str) -> list:
                 if any(map(private, a.name.split("."))):
                     found.append((n.lineno, f"import {a.name}"))
     for n in ast.walk(
-        tree
-    ):  # `mod._name` on a module of ours bound above (`from . import executor`, `import specnb.x as y`)
+        tree,  # `mod._name` on a module of ours bound above (`from . import executor`, `import specnb.x as y`)
+    ):
         if isinstance(n, ast.Attribute) and private(n.attr) and (base := dotted(n.value)):
             head, _, rest = base.partition(".")
             mod = aliases.get(head, head if head == "specnb" else None)

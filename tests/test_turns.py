@@ -139,8 +139,9 @@ def test_a_strict_function_in_auto_mode_validates(client):
         for name, args in _calls(r.choices[0].message):
             jsonschema.validate(args, WEATHER)
         made += len(_calls(r.choices[0].message))
+        # a call cut short stays text
         if "<tool_call>" in (r.choices[0].message.content or ""):
-            assert r.choices[0].finish_reason == "length"  # a call cut short stays text
+            assert r.choices[0].finish_reason == "length"
     assert made > 0
 
 
@@ -191,9 +192,8 @@ def test_reasoning_is_apart_from_content(client, loaded):
     prompt = tok.encode(
         tok.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False), add_special_tokens=False
     )
-    kw = dict(
-        max_tokens=40, temperature=1.0, seed=5, extra_body={"logit_bias": {"4097": 6}}
-    )  # </think> likelier, not certain
+    # </think> likelier, not certain
+    kw = dict(max_tokens=40, temperature=1.0, seed=5, extra_body={"logit_bias": {"4097": 6}})
     raw = client.completions.create(model=MODEL, prompt=prompt, **kw).choices[0].text
     whole = client.chat.completions.create(model=MODEL, messages=ASK, **kw).choices[0].message
     reasoning, _, content = raw.partition("</think>")
@@ -315,9 +315,8 @@ def test_sampled_logprobs_are_teacher_forcings(client, loaded):
         make_logits_processors(repetition_penalty=1.3, repetition_context_size=20),
     )
     raw = forced_logprobs(model, ids, [c[0] for c in answer], 0)
-    assert (
-        max(abs(e.logprob - lp) for e, (lp, _) in zip(got, raw)) > 1e-3
-    )  # the penalty shows: these are not the unprocessed logits
+    # the penalty shows: these are not the unprocessed logits
+    assert max(abs(e.logprob - lp) for e, (lp, _) in zip(got, raw)) > 1e-3
     for entries in (got, stream):
         assert [e.token for e in entries] == [e.token for e in got]
         for e, (lp, top) in zip(entries, ref):
@@ -469,9 +468,8 @@ def test_smollm2_chat_with_logprobs_and_choices():
             answer = [_vocab(tok)[e.token] for e in got]
             assert all(len(a) == 1 for a in answer), [e.token for e in got]
             ref = forced_logprobs(model, ids, [a[0] for a in answer], 5)
-            for e, (lp, top) in zip(
-                got, ref
-            ):  # 1e-4: a 30-layer float32 model's sums in windows of other shapes (4.8e-5 seen, OpenBLAS)
+            # 1e-4: a 30-layer float32 model's sums in windows of other shapes (4.8e-5 seen, OpenBLAS)
+            for e, (lp, top) in zip(got, ref):
                 assert abs(e.logprob - lp) < 1e-4
                 assert [t.logprob for t in e.top_logprobs] == pytest.approx([l for _, l in top], abs=1e-4)
         assert r.usage.speculation["drafted"] > 0, r.usage

@@ -50,9 +50,8 @@ def test_watch_live_figures(monkeypatch):
             shown,
         )
         assert float(shown[3]) > 0
-    assert len(seen) >= len(
-        r.tokens
-    )  # a frame per token, then the finished view (no change event when it draws the same)
+    # a frame per token, then the finished view (no change event when it draws the same)
+    assert len(seen) >= len(r.tokens)
     st = r.stats
     assert FIGURES.search(seen[-1][0]).groups() == (
         str(st.generated),

@@ -23,6 +23,8 @@ from ..tap import Tap
 from ..accept import RandomStream
 from .sources import check_batchable, BatchedProvider, drafts_together, group_of, DraftGroup, HeadGroup
 from ..executor import SpecRequest, SpecResult, spec_generate, spec_options
+
+# the phase API
 from specnb.executor import (
     open_request,
     read_prompt,
@@ -31,7 +33,7 @@ from specnb.executor import (
     emit_tokens,
     commit_round,
     close_request,
-)  # the phase API
+)
 
 # %% ../../nbs/07e_batch.ipynb #8be2ee67
 @dataclass
@@ -48,7 +50,8 @@ class _Row:
     t1: float = 0.0  # when its decoding began
     group: DraftGroup | HeadGroup | None = None  # the group its source drafts in, if any
     draft_row: tuple = ()  # `(slot, own caches)` of its source in that group
-    alone: bool = False  # its source drafts alone for good (`drafts_together` said no: asked once, not every round)
+    # its source drafts alone for good (`drafts_together` said no: asked once, not every round)
+    alone: bool = False
 
     @property
     def plain(self) -> bool:
@@ -74,9 +77,8 @@ class Batch:
         self.model, self.draft_together, self.interleave_prefill = model, draft_together, interleave_prefill
         self.rows, self.reading, self.early, self.slots, self.groups, self._n = [], [], [], [], {}, 0
         self.failed = []  # `(id, exception)` of the requests whose own part of the last round raised
-        self.cache = batch_cache(
-            model
-        )  # a ring per row for each sliding-window layer, a state per row for each recurrent one
+        # a ring per row for each sliding-window layer, a state per row for each recurrent one
+        self.cache = batch_cache(model)
 
     def __len__(self):
         return len(self.rows) + len(self.reading)  # requests holding a slot, their prompts read or not
@@ -167,10 +169,9 @@ def _join(self: Batch, q: _Reading):
     r.res.stats.prefill_s = time.perf_counter() - q.t0
     slot = Slot(len(self.slots))
     w = _Row(q.id, r, slot, r.cache, q.rng, q.on_token, len(r.full) == 1, time.perf_counter())
+    # mlx-lm's recurrent state (a plain request's) does not count its tokens
     for c in leaves(r.cache):
-        c.offset = getattr(
-            c, "offset", len(r.full) - 1
-        )  # mlx-lm's recurrent state (a plain request's) does not count its tokens
+        c.offset = getattr(c, "offset", len(r.full) - 1)
     r.cache = lend(r.cache, self.cache, slot)
     self.slots.append(slot)
     self.rows.append(w)
@@ -205,10 +206,9 @@ def _drafts(self: Batch) -> list:
     """Every request's `(drafts, d)` this round, in row order: a group's requests in one forward per step, the others
     alone."""
     plans, grouped = {}, {}
+    # a ring keeps room for a source drafting on its row (early exit)
     for layer in self.cache:
-        layer.reserve(
-            1 + max(w.budget() for w in self.rows)
-        )  # a ring keeps room for a source drafting on its row (early exit)
+        layer.reserve(1 + max(w.budget() for w in self.rows))
     for w in list(self.rows):  # one that fails leaves the batch
         if w.plain:
             plans[id(w)] = [], 0
@@ -223,11 +223,9 @@ def _drafts(self: Batch) -> list:
         ws.sort(key=lambda w: w.draft_row[0].index)
         ns = [w.budget() for w in ws]
         drafts, failed = g.draft(ws, ns)
+        # a head proposes none before it has read a row
         for w, d in zip(ws, drafts):
-            plans[id(w)] = (
-                d,
-                (d.size if isinstance(d, mx.array) else len(d)),
-            )  # a head proposes none before it has read a row
+            plans[id(w)] = d, (d.size if isinstance(d, mx.array) else len(d))
         for j, e in failed.items():
             self._fail(ws[j], e)
     return [plans[id(w)] for w in self.rows]
@@ -363,9 +361,8 @@ def step(self: Batch) -> list:
     """One round: each request drafts, ONE target forward verifies them all, each walks, emits and rolls back. Returns
     `(id, SpecResult)` of those that ended; `failed` lists those whose own part raised."""
     self.failed = []
-    self.reading = [
-        q for q in self.reading if not self._try_read(q)
-    ]  # each new request reads one more chunk, and joins when done
+    # each new request reads one more chunk, and joins when done
+    self.reading = [q for q in self.reading if not self._try_read(q)]
     early, self.early = self.early, []  # cut short while reading their prompts
     if not self.rows:
         return early
@@ -428,8 +425,9 @@ def _per_prompt(name: str, value, n: int, one=lambda v: not isinstance(v, (list,
 
 
 @delegates(spec_options)
+# the target: an mlx-lm model, full attention, sliding windows or capturable recurrent layers (04e)
 def spec_generate_batch(
-    model,  # the target: an mlx-lm model, full attention, sliding windows or capturable recurrent layers (04e)
+    model,
     providers,  # a `DraftProvider` for every prompt, or a list of one per prompt (None: plain decoding)
     prompts: list,  # token id lists
     *,

@@ -65,8 +65,9 @@ class LayerView:
     """One layer of the target's caches as a batched request's source reads it: the request's own cache of that layer
     now (its row's view once it has joined)."""
 
+    # `request.r`: the executor's request, set once it is open
     def __init__(self, request, i: int):
-        self._request, self._i = request, i  # `request.r`: the executor's request, set once it is open
+        self._request, self._i = request, i
 
     @property
     def now(self):
@@ -128,12 +129,9 @@ class DraftGroup:
     """The caches of one draft model for the requests whose sources draft together: one draft forward per step for all
     of them."""
 
+    # a recurrent row gives back drafts of several forwards
     def __init__(self, model):
-        self.model, self.cache, self.slots = (
-            model,
-            batch_cache(model, history=True),
-            [],
-        )  # a recurrent row gives back drafts of several forwards
+        self.model, self.cache, self.slots = model, batch_cache(model, history=True), []
 
     def join(self, src) -> tuple:
         """Move the source's draft caches into a new row; the source now reads and trims them through views. Returns
@@ -176,8 +174,9 @@ def draft_group(group: DraftGroup, ws: list, ns: list) -> tuple:
     raised."""
     feeds, outs, failed = [w.r.feed for w in ws], [[] for _ in ws], {}
     width = max(map(len, feeds))
+    # a sliding window's rings keep room to give back every step
     for layer in group.cache:
-        layer.reserve(width + max(ns))  # a sliding window's rings keep room to give back every step
+        layer.reserve(width + max(ns))
     x = mx.array([f + [0] * (width - len(f)) for f in feeds], mx.uint32)
     for w in ws:
         w.r.source.logits = []
@@ -198,15 +197,15 @@ def draft_group(group: DraftGroup, ws: list, ns: list) -> tuple:
                 outs[i].append(
                     _sample_row(w, logits[i : i + 1], mx.array(feeds[i], mx.uint32) if s == 0 else outs[i][-1])
                 )
-            except (
-                Exception
-            ) as e:  # its own processors or sampler: it reads a placeholder until the group is done, then leaves
+            # its own processors or sampler: it reads a placeholder until the group is done, then leaves
+            except Exception as e:
                 failed[i] = e
                 outs[i].append(mx.zeros((1,), mx.uint32))
         x = mx.stack([o[-1] for o in outs])
         mx.async_eval(x)
+    # each read its feed and n-1 drafts
     for layer in group.cache:
-        layer.ends = [e - (max(ns) - n) for e, n in zip(layer.ends, ns)]  # each read its feed and n-1 drafts
+        layer.ends = [e - (max(ns) - n) for e, n in zip(layer.ends, ns)]
     return [mx.concatenate(o) for o in outs], failed
 
 
@@ -330,26 +329,23 @@ def _lockstep(self: HeadGroup, ws: list, newest: list, failed: dict):
 def _steps(self: HeadGroup, ws: list, ns: list, newest: list, failed: dict):
     """Draft `ns[i]` tokens for the i-th row: the first from its newest output, each further one after ONE head forward
     for all rows on their last outputs and drafts."""
-    hold = mx.zeros_like(
-        next(a for a, n in zip(newest, ns) if n)
-    )  # a row that drafts nothing steps on zeros (given back with the rest)
+    # a row that drafts nothing steps on zeros (given back with the rest)
+    hold = mx.zeros_like(next(a for a, n in zip(newest, ns) if n))
     a, y, src = (
         mx.concatenate([x if x is not None else hold for x in newest]),
         mx.zeros((len(ws), 1), mx.uint32),
         ws[0].r.source,
     )
     for s in range(max(ns)):
+        # a speculative entry per row
         if s:
-            a = self.head(
-                a, src.embed(y), mask=self.cache.make_mask(1), cache=self.cache
-            )  # a speculative entry per row
+            a = self.head(a, src.embed(y), mask=self.cache.make_mask(1), cache=self.cache)
         logits = src.readout(a[:, -1])
         ys = []
         for i, w in enumerate(ws):
+            # done: it steps on its last draft
             try:
-                ys.append(
-                    _sample_head_row(w, logits[i : i + 1]) if s < ns[i] else y[i]
-                )  # done: it steps on its last draft
+                ys.append(_sample_head_row(w, logits[i : i + 1]) if s < ns[i] else y[i])
             except Exception as e:  # its own sampler: it steps on its last token until the group is done, then leaves
                 failed[i], ns[i] = e, s
                 ys.append(y[i])

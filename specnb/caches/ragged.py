@@ -86,9 +86,8 @@ def update_and_fetch(self: RaggedKVCache, keys, values) -> tuple:
 def make_mask(self: RaggedKVCache, N: int, return_array: bool = False, window_size=None) -> mx.array:
     """`(B, 1, N, S)`: query j of row i sees the keys at positions `0..ends[i]+j` of its own row (with a `window_size`
     W, the last W of them)."""
-    if (
-        window_size is None and not return_array and len(set(self.ends)) == 1
-    ):  # rows level: mlx-lm's own causal mask (its fast kernel)
+    # rows level: mlx-lm's own causal mask (its fast kernel)
+    if window_size is None and not return_array and len(set(self.ends)) == 1:
         return "causal" if N > 1 else None
     q = mx.array(self.ends)[:, None, None, None] + mx.arange(N)[:, None]
     k = mx.arange(self.size() + N)
@@ -155,8 +154,9 @@ class RowCache:
     """One request's view of one layer of the batch's cache: the offset and `trim` the executor's rollback reads and
     calls."""
 
+    # slot.index: the request's row now
     def __init__(self, layer: RaggedKVCache, slot):
-        self.layer, self.slot = layer, slot  # slot.index: the request's row now
+        self.layer, self.slot = layer, slot
 
     @property
     def offset(self) -> int:
@@ -374,13 +374,9 @@ def hand_back(self: RaggedRotatingKVCache, i: int, c):
         if k is not None:
             c._write(k, v, a)
         c.offset, c._lo = e, a
+    # mlx-lm's ring in temporal order: its last max_size positions
     else:
-        c.keys, c.values, c.offset, c._idx = (
-            k,
-            v,
-            e,
-            e - a,
-        )  # mlx-lm's ring in temporal order: its last max_size positions
+        c.keys, c.values, c.offset, c._idx = k, v, e, e - a
 
 
 @patch

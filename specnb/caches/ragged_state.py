@@ -28,18 +28,13 @@ class RaggedStateCache(RecurrentCache):
         history: bool = False,
     ):
         ArraysCache.__init__(self, size)
-        self.ends, self.starts = (
-            [],
-            [],
-        )  # tokens each row holds; where its last window began (it trims back that far at most)
-        self.before = self.window = (
-            None  # every row's state before the last window, and after each of its positions (row i, position j: i*S+j)
-        )
+        # tokens each row holds; where its last window began (it trims back that far at most)
+        self.ends, self.starts = [], []
+        # every row's state before the last window, and after each of its positions (row i, position j: i*S+j)
+        self.before = self.window = None
         self.S, self.lost, self._depth, self._captured = 0, False, 0, False
-        self.history, self.past = (
-            history,
-            [],
-        )  # with `history`: this round's earlier windows `(starts, before, window, S)`, oldest first
+        # with `history`: this round's earlier windows `(starts, before, window, S)`, oldest first
+        self.history, self.past = history, []
 
     @property
     def offset(self) -> mx.array:
@@ -60,8 +55,9 @@ class RaggedStateCache(RecurrentCache):
     def trimmable(self, i: int) -> int:
         return self.ends[i] - (self.past[0][0] if self.past else self.starts)[i]
 
+    # only its watched mixers write it, inside `capture_window`
     def __setitem__(self, idx, value):
-        self.cache[idx] = value  # only its watched mixers write it, inside `capture_window`
+        self.cache[idx] = value
 
     @property
     def nbytes(self) -> int:
@@ -179,9 +175,8 @@ def _copies(self: RaggedStateCache, module, call, bound: dict, x: mx.array) -> t
         out = call(module, **bound)
     finally:
         self.lengths = None
-    return list(self.cache), out[
-        S - 1 :: S
-    ]  # each row's full copy: its outputs at its own positions (past them, padding nobody reads)
+    # each row's full copy: its outputs at its own positions (past them, padding nobody reads)
+    return list(self.cache), out[S - 1 :: S]
 
 
 @patch
@@ -237,22 +232,21 @@ def drop(self: RaggedStateCache, i: int):
     self.cache = [None if a is None or not keep else a[mx.array(keep)] for a in self.cache]
 
 # %% ../../nbs/04e_ragged_state.ipynb #1e728c1d
+# a KV layer: not a mixer (KimiDeltaAttention is)
 def _attention(name: str) -> bool:
-    return bool(re.search(r"(?<!Linear)(?<!Delta)Attention$", name))  # a KV layer: not a mixer (KimiDeltaAttention is)
+    return bool(re.search(r"(?<!Linear)(?<!Delta)Attention$", name))
 
 
+# watched: its mlx-lm class's
 def _takes_cache(m) -> bool:
-    return (
-        "cache" in inspect.signature(getattr(type(m), "_watches", type(m)).__call__).parameters
-    )  # watched: its mlx-lm class's
+    return "cache" in inspect.signature(getattr(type(m), "_watches", type(m)).__call__).parameters
 
 
 def unbatched_state(model) -> str | None:
     """Why batched rounds cannot hold `model`'s recurrent layers, in words; None when each is one mixer in `CAPTURABLE`
     (or it has none)."""
-    cache = list(
-        leaves(make_prompt_cache(model))
-    )  # Falcon-H1's layers: a `CacheList` of Mamba state and attention each
+    # Falcon-H1's layers: a `CacheList` of Mamba state and attention each
+    cache = list(leaves(make_prompt_cache(model)))
     if not any(isinstance(c, ArraysCache) for c in cache):
         return None
     if sum(isinstance(c, ArraysCache) for c in cache) == sum(
@@ -265,9 +259,8 @@ def unbatched_state(model) -> str | None:
         if _takes_cache(m) and not any(_takes_cache(s) for _, s in m.named_modules()[1:])
     ]
     names = {layer_name(m) for m in inner} - CAPTURABLE
-    bad = sorted(n for n in names if not _attention(n)) or sorted(
-        names
-    )  # an attention layer that keeps state itself (Baichuan-M1's)
+    # an attention layer that keeps state itself (Baichuan-M1's)
+    bad = sorted(n for n in names if not _attention(n)) or sorted(names)
     return f"recurrent mixers that run a row's right padding into its state ({', '.join(bad)})"
 
 

@@ -242,10 +242,10 @@ class Step:
 
     start: int  # tokens the cache held before it
     size: int  # tokens it read
-    before: list  # the state arrays before it (references: MLX arrays are immutable, so this copies nothing)
-    calls: list = field(
-        default_factory=list
-    )  # (depth, module, args, kwargs) of each watched call that received the cache
+    # the state arrays before it (references: MLX arrays are immutable, so this copies nothing)
+    before: list
+    # (depth, module, args, kwargs) of each watched call that received the cache
+    calls: list = field(default_factory=list)
     states: list | None = None  # capture: each state array with one row per position, row i after i+1 tokens
     batch: int = 1  # sequences it read
     width: int = 0  # tokens its calls were given (`size` until a trim cuts the step shorter)
@@ -268,10 +268,9 @@ class RecurrentCache(ArraysCache):
         self,
         size: int,  # state arrays, as `ArraysCache(size)`: 2 for conv + recurrent state
         max_verify: int = 16,  # the longest forward kept for rollback, and how many recent tokens stay trimmable
-        capture: bool
         # True: capture in every `CAPTURABLE` layer; False: always replay; None: `CAPTURE_BY_DEFAULT`, for windows up to
         # `CAPTURE_MAX_WINDOW`
-        | None = None,
+        capture: bool | None = None,
     ):
         super().__init__(size)
         self.offset, self.max_verify, self.capture = 0, max_verify, capture
@@ -383,18 +382,16 @@ def _cut(self: RecurrentCache, step: Step, to: int):
     self._restore(step)
     module, args, kwargs = step.replay_call()
 
-    def cut(
-        a,
-    ):  # the first m tokens of each input; this cache in place of the one recorded (a deep copy replays into itself)
+    # the first m tokens of each input; this cache in place of the one recorded (a deep copy replays into itself)
+    def cut(a):
         if isinstance(a, RecurrentCache):
             return self
         return a[:, :m] if isinstance(a, mx.array) and a.ndim >= 2 and a.shape[:2] == (step.batch, step.width) else a
 
     capture, self.capture = self.capture, False  # the replay is cut no further: no rows to keep
+    # lazy: only the state is ever evaluated
     try:
-        module(
-            *[cut(a) for a in args], **{k: cut(v) for k, v in kwargs.items()}
-        )  # lazy: only the state is ever evaluated
+        module(*[cut(a) for a in args], **{k: cut(v) for k, v in kwargs.items()})
     finally:
         self.capture = capture
 
@@ -408,10 +405,11 @@ PREFIXED = {
     "mlx_lm.models.olmo_hybrid.GatedDeltaNet",
     "mlx_lm.models.bailing_moe_linear.LinearAttention",
 }
+# layers whose batched right padding leaves each row's state at its own length (checked below)
 CAPTURABLE = (
     GATED_DELTA
     | PREFIXED
-    | {  # layers whose batched right padding leaves each row's state at its own length (checked below)
+    | {
         "mlx_lm.models.lfm2.ShortConv",
         "mlx_lm.models.mamba2.Mamba2Block",
         "mlx_lm.models.falcon_h1.FalconH1Mixer",
@@ -525,16 +523,14 @@ def _recurrent_block(self, x: mx.array, cache=None, mask=None) -> mx.array:
     y = nn.gelu_approx(self.linear_y(x))
     x = self.linear_x(x)
     K = self.conv_1d.weight.shape[1]
-    before = (
-        mx.zeros((x.shape[0], K - 1, x.shape[2]), x.dtype) if cache[0] is None else cache[0]
-    )  # mlx-lm pads with zeros
+    # mlx-lm pads with zeros
+    before = mx.zeros((x.shape[0], K - 1, x.shape[2]), x.dtype) if cache[0] is None else cache[0]
     inputs = mx.concatenate([before, x], axis=1)
     x, _ = self.conv_1d(x=x, cache=before)
     h, _ = self.rg_lru(x=x, cache=cache[1])  # the hidden state after every position
     ends = getattr(cache, "ends", [])  # a batch's rows (04e); one sequence with no tokens yet has no state at all
-    if (
-        cache[1] is not None and 0 in ends
-    ):  # a row with no tokens yet has no state: mlx-lm's RG-LRU leaves its first input unscaled
+    # a row with no tokens yet has no state: mlx-lm's RG-LRU leaves its first input unscaled
+    if cache[1] is not None and 0 in ends:
         fresh = mx.repeat(mx.array([e == 0 for e in ends]), x.shape[0] // len(ends))
         h = mx.where(fresh[:, None, None], self.rg_lru(x=x)[0], h)
     cache[0] = mx.take_along_axis(inputs, (lengths[:, None] + mx.arange(K - 1))[..., None], axis=1)
@@ -680,9 +676,8 @@ def rollback_cost(
     prompt, window = (mx.arange(prompt_len) * 7 % 97)[None], (mx.arange(gamma + 1) + 3)[None]
     for c in (plain, ours):
         mx.eval(model(prompt, cache=c), [x.state for x in leaves(c)])
-    saved = [
-        list(x.cache) if isinstance(x, ArraysCache) else None for x in leaves(plain)
-    ]  # a copy: layers write into the list
+    # a copy: layers write into the list
+    saved = [list(x.cache) if isinstance(x, ArraysCache) else None for x in leaves(plain)]
 
     def undo_plain():
         for x, s in zip(leaves(plain), saved):

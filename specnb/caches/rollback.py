@@ -26,16 +26,16 @@ def _room(c, n: int) -> bool:
     if hasattr(c, "reserve"):
         c.reserve(n)
         return True
+    # mlx-lm's ring would wrap: trimming could not undo it
     if isinstance(c, RotatingKVCache):
-        return c.offset + n < c.max_size  # mlx-lm's ring would wrap: trimming could not undo it
+        return c.offset + n < c.max_size
     return c.is_trimmable()
 
 
 def can_take(cache: list, n: int) -> bool:
     "Can every cache take `n` more tokens and still be trimmed back? Caches built for speculation make room first."
-    return all(
-        [_room(c, n) for c in leaves(cache)]
-    )  # a list, not a generator: every cache reserves, even after a refusal
+    # a list, not a generator: every cache reserves, even after a refusal
+    return all([_room(c, n) for c in leaves(cache)])
 
 
 def check_rollbackable(cache: list):

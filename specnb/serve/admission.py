@@ -28,8 +28,8 @@ class Admission:
         budget: int,  # bytes the weights, the running jobs and the prompt cache may hold together
         resident: int,  # bytes held before any request: the weights
         max_batch_size: int = 1,  # jobs running at once
-        max_queue: int = ServeOptions.max_queue,
-    ):  # jobs waiting beyond those
+        max_queue: int = ServeOptions.max_queue,  # jobs waiting beyond those
+    ):
         self.footprints, self.speculates, self.cache, self.metrics = footprints, speculates, cache, metrics
         self.budget, self.resident = budget, resident
         self.max_batch_size, self.max_queue = max_batch_size, max_queue

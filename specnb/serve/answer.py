@@ -19,10 +19,9 @@ from pydantic import BaseModel
 from xgrammar.builtin_structural_tag import get_model_structural_tag
 from xgrammar.structural_tag import GrammarFormat, JSONSchemaFormat, SequenceFormat, StructuralTag, TagFormat
 
+# private (test_structure.FOREIGN_PRIVATE): a later xgrammar may not have it
 try:
-    from xgrammar.testing import (
-        _json_schema_to_ebnf,
-    )  # private (test_structure.FOREIGN_PRIVATE): a later xgrammar may not have it
+    from xgrammar.testing import _json_schema_to_ebnf
 except ImportError:
     _json_schema_to_ebnf = None
 from fastcore.basics import patch
@@ -222,14 +221,11 @@ def _end_call(self: Turn, closed: bool) -> dict:
     return {"tool_calls": out}
 
 # %% ../../nbs/08ca_answer.ipynb #6eddb9de
-TOOL_FORMATS = {
-    "json_tools": "qwen_3",
-    "gemma4": "gemma_4",
-}  # mlx-lm's tool parser → xgrammar's format: the pairs checked to round-trip (below)
+# mlx-lm's tool parser → xgrammar's format: the pairs checked to round-trip (below)
+TOOL_FORMATS = {"json_tools": "qwen_3", "gemma4": "gemma_4"}
 
-WHITESPACE = (
-    4  # spaces and newlines in a row inside arguments: room for indentation, none for a small model to pad forever
-)
+# spaces and newlines in a row inside arguments: room for indentation, none for a small model to pad forever
+WHITESPACE = 4
 
 
 def parser_name(tokenizer) -> str | None:
@@ -267,18 +263,16 @@ def _map_formats(node, f):
     return f(node.model_copy(update={k: _map_formats(v, f) for k, v in node if isinstance(v, (BaseModel, list))}))
 
 
-_ONLY_QUOTE = (
-    'excludes=("<|\\"|>")'  # xgrammar's Gemma string content, as its converter writes it: only the delimiter left out
-)
+# xgrammar's Gemma string content, as its converter writes it: only the delimiter left out
+_ONLY_QUOTE = 'excludes=("<|\\"|>")'
 
 
 def tight_gemma(fmt):
     """A Gemma-style arguments format as mlx-lm's `gemma4` parser reads it back: xgrammar's own grammar of the schema
     without free whitespace, the format's excluded markers still kept out of strings; a function without parameters
     takes an object (OpenAI's arguments are one); any other format as it is."""
-    if (
-        isinstance(fmt, JSONSchemaFormat) and not isinstance(fmt.json_schema, dict) and fmt.style != "gemma"
-    ):  # `true`: any JSON value
+    # `true`: any JSON value
+    if isinstance(fmt, JSONSchemaFormat) and not isinstance(fmt.json_schema, dict) and fmt.style != "gemma":
         return fmt.model_copy(update={"json_schema": {"type": "object"}})
     if not (isinstance(fmt, JSONSchemaFormat) and fmt.style == "gemma"):
         return fmt
@@ -287,9 +281,8 @@ def tight_gemma(fmt):
             "this xgrammar has no xgrammar.testing._json_schema_to_ebnf: a Gemma 4 call cannot be forced under a "
             "grammar its parser reads"
         )
-    schema = (
-        fmt.json_schema if isinstance(fmt.json_schema, dict) else {"type": "object"}
-    )  # no parameters: still `{…}`, all the parser reads
+    # no parameters: still `{…}`, all the parser reads
+    schema = fmt.json_schema if isinstance(fmt.json_schema, dict) else {"type": "object"}
     ebnf = _json_schema_to_ebnf(
         schema, any_whitespace=False, separators=(",", ":"), json_format="gemma", any_order=fmt.any_order
     )
@@ -337,8 +330,8 @@ def tool_tag(
     tool_choice,
     parallel_tool_calls,
     reasoning: str,
-    think_start: str
-    | None = None,  # the tokenizer's marker that opens reasoning (a prompt in 'enabled' mode opened it)
+    # the tokenizer's marker that opens reasoning (a prompt in 'enabled' mode opened it)
+    think_start: str | None = None,
     token_markers: bool = False,
 ) -> StructuralTag:
     """xgrammar's structural tag of calls in format `fmt` (`get_model_structural_tag`), written so that mlx-lm's parser
@@ -459,21 +452,19 @@ class TextSink:
             on_first,
             None,
         )
-        self.result, self.n = (
-            None,
-            0,
-        )  # result: the executor's `SpecResult`, which holds each token's logprobs (set when generation starts)
+        # result: the executor's `SpecResult`, which holds each token's logprobs (set when generation starts)
+        self.result, self.n = None, 0
 
     def _first(self):
         if self.on_first is not None:
             self.on_first()
             self.on_first = None
-        if (
-            self.job.prompt_logprobs is not None
-        ):  # a completion's echo: its prompt's own logprobs, from the prefill forward
+        # a completion's echo: its prompt's own logprobs, from the prefill forward
+        if self.job.prompt_logprobs is not None:
+            # the first: None
             self.job.emit(
                 "logprobs", [(t, *(e or (None, None))) for t, e in zip(self.job.prompt, self.result.prompt_logprobs)]
-            )  # the first: None
+            )
 
     def add(self, t: int) -> bool:
         "Take one token; False when the job stops here: a stop sequence ('stop'), or it should stop ('cancelled')."
@@ -495,8 +486,9 @@ class TextSink:
     def close(self) -> str | None:
         """No more tokens: send what was held back (unless the text already ended); the finish reason when the text
         decides it."""
+        # no token: the echo's logprobs still
         if not self.n and self.job.prompt_logprobs is not None and self.result is not None:
-            self._first()  # no token: the echo's logprobs still
+            self._first()
         if self.finish is None:
             self.text.finish()
             delta, hit = self.stop.push(self.text.text, final=True)

@@ -46,9 +46,8 @@ def _add_error_handlers(app: FastAPI, engine: Engine):
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):
-        return APIError(
-            e.status_code, f"{e.detail}: {request.method} {request.url.path}", headers=e.headers
-        ).response()  # 405 keeps its Allow
+        # 405 keeps its Allow
+        return APIError(e.status_code, f"{e.detail}: {request.method} {request.url.path}", headers=e.headers).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request, e):
@@ -75,9 +74,8 @@ class Guard:
             nonlocal seen, answered
             msg = await receive()
             seen += len(msg.get("body", b""))
-            if (
-                seen > self.max_body and not answered
-            ):  # a chunked body (no length given) that grew too large: answer now, read no more
+            # a chunked body (no length given) that grew too large: answer now, read no more
+            if seen > self.max_body and not answered:
                 answered = True
                 await self._refuse(self._too_large(None), scope, receive, send)
                 return {"type": "http.disconnect"}  # the app stops reading, as it would for a client that left
@@ -116,10 +114,8 @@ class Guard:
 
     async def _refuse(self, e: APIError, scope, receive, send):
         self.engine.metrics.refused.labels(e.code).inc()
-        e.headers = {
-            **(e.headers or {}),
-            "Connection": "close",
-        }  # what is left of the body must not be read as a next request
+        # what is left of the body must not be read as a next request
+        e.headers = {**(e.headers or {}), "Connection": "close"}
         await e.response()(scope, receive, send)
 
 

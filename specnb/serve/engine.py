@@ -141,8 +141,8 @@ class Engine:
         request_timeout: float | None = None,
         prefill_step_size: int = ServeOptions.prefill_step_size,
         max_batch_size: int = 1,  # one at a time unless asked: `specnb serve` asks for its default, 8
-        coordinator=None,
-    ):  # the target split over ranks: what makes them run each job together (08b)
+        coordinator=None,  # the target split over ranks: what makes them run each job together (08b)
+    ):
         self.model, self.tokenizer, self.provider, self.draft_kind = pair.target, pair.tokenizer, provider, draft_kind
         context = least(context_length(self.model), max_context)
         self.limits = Limits(

@@ -87,8 +87,8 @@ def serve_process(
     *args,
     timeout: float = 180,
     env: dict | None = None,
-    ranks: int
-    | None = None,  # run `specnb serve --distributed` as this many ranks of an `mlx.launch` job (None: one process)
+    # run `specnb serve --distributed` as this many ranks of an `mlx.launch` job (None: one process)
+    ranks: int | None = None,
 ):
     """Run `specnb serve ARGS` on a free loopback port while the block runs (with `env` added to the environment);
     yields a `Served`."""

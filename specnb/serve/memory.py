@@ -20,9 +20,8 @@ class PromptCache:
     """Finished requests' caches — the target's and the draft's together — keyed by exactly the tokens both hold,
     bounded in entries and bytes."""
 
-    def __init__(
-        self, size: int, n_target: int, max_bytes: int = 1 << 63
-    ):  # size: entries kept (0: off); n_target: how many caches the target has
+    # size: entries kept (0: off); n_target: how many caches the target has
+    def __init__(self, size: int, n_target: int, max_bytes: int = 1 << 63):
         self.lru, self.n_target = (LRUPromptCache(max_size=size, max_bytes=max_bytes) if size > 0 else None), n_target
 
     def fetch(self, space: str, tokens: list) -> tuple:
@@ -32,8 +31,9 @@ class PromptCache:
         if cache is None:
             return None, None, 0
         if not rest:  # an exact hit: the last token must still be fed to produce the first logits
+            # mlx-lm's can_trim_prompt_cache says no to a wrapped ring
             if not can_rollback(cache, 1):
-                return None, None, 0  # mlx-lm's can_trim_prompt_cache says no to a wrapped ring
+                return None, None, 0
             rollback(cache, 1)
             rest = tokens[-1:]
         return cache[: self.n_target], cache[self.n_target :], len(tokens) - len(rest)
@@ -61,11 +61,11 @@ class Footprint:
     """Bytes a model's caches hold at `n` tokens: per allocated position (up to each cache's window), plus state that
     does not grow."""
 
-    terms: list = field(
-        default_factory=list
-    )  # (bytes per position, most positions kept or None, allocation step), per attention cache
+    # (bytes per position, most positions kept or None, allocation step), per attention cache
+    terms: list = field(default_factory=list)
     fixed: int = 0  # recurrent state and the like
-    state: int = 0  # the part of `fixed` a round copies per verified position (recurrent layers' state)
+    # the part of `fixed` a round copies per verified position (recurrent layers' state)
+    state: int = 0
 
     def bytes(self, n: int, width: int = 0) -> int:
         """What the caches hold at `n` tokens, and while a round verifies `width` positions (a recurrent layer then also
@@ -89,11 +89,11 @@ class Footprint:
                 fp.state += inner.state
                 continue
             keys = getattr(c, "keys", None)
-            keys = (
-                keys[0] if isinstance(keys, (tuple, list)) else keys
-            )  # a quantized cache keeps (packed, scales, biases)
+            # a quantized cache keeps (packed, scales, biases)
+            keys = keys[0] if isinstance(keys, (tuple, list)) else keys
+            # conv and SSM state: captured per position while a round is checked (04b, 04e)
             if isinstance(c, ArraysCache):
-                fp.state += c.nbytes  # conv and SSM state: captured per position while a round is checked (04b, 04e)
+                fp.state += c.nbytes
             if keys is None or keys.ndim < 3:
                 fp.fixed += c.nbytes
                 continue

@@ -99,9 +99,8 @@ def merged_usage(usages: list) -> dict:
 
 # %% ../../nbs/08c_protocol.ipynb #88bbf1a0
 class _Body(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", strict=True, populate_by_name=True
-    )  # an unknown field is a 400 naming it, never dropped
+    # an unknown field is a 400 naming it, never dropped
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
 def _integral(v):
@@ -170,9 +169,8 @@ class BaseRequest(_Body):
     seed: _Int(ge=0, lt=2**64) | None = None  # MLX's seeds are 64-bit unsigned
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
-    repetition_penalty: float | None = Field(
-        None, ge=1e-3, le=1e3
-    )  # past these the scaled logits overflow float32: NaN, any token
+    # past these the scaled logits overflow float32: NaN, any token
+    repetition_penalty: float | None = Field(None, ge=1e-3, le=1e3)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     response_format: ResponseFormat | None = None
@@ -188,9 +186,11 @@ class BaseRequest(_Body):
     min_tokens: _Int(ge=0) = 0  # vLLM's and mlx-lm's extensions, honoured
     ignore_eos: bool = False
     repetition_context_size: _Int(ge=1, le=4096) = 20
-    xtc_probability: float = Field(0.0, ge=0, le=1)  # mlx-lm's XTC sampler, honoured under both acceptance rules
+    # mlx-lm's XTC sampler, honoured under both acceptance rules
+    xtc_probability: float = Field(0.0, ge=0, le=1)
     xtc_threshold: float = Field(0.1, ge=0, le=0.5)  # (mlx-lm's apply_xtc refuses a threshold past 0.5)
-    draft_model: str | None = None  # mlx_lm.server's per-request draft: refused (the server's own drafts)
+    # mlx_lm.server's per-request draft: refused (the server's own drafts)
+    draft_model: str | None = None
     prediction: Prediction | None = None  # OpenAI's predicted output: drafted from, first
 
 
@@ -212,15 +212,13 @@ class ChatRequest(BaseRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = (
-        None  # handed to a chat template that reads it
-    )
+    # handed to a chat template that reads it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     modalities: list[Literal["text"]] | None = None
     logprobs: bool | None = None
     top_logprobs: _Int(ge=0, le=20) | None = None
-    chat_template_kwargs: dict | None = (
-        None  # passed to the chat template, as mlx_lm.server does (e.g. enable_thinking)
-    )
+    # passed to the chat template, as mlx_lm.server does (e.g. enable_thinking)
+    chat_template_kwargs: dict | None = None
 
 
 class CompletionRequest(BaseRequest):

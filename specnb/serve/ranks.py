@@ -112,8 +112,9 @@ def running(self: RankCoordinator, engine: Engine, job: Job | None):
     """Around one job's run on every rank (None: this rank could not build it, so no rank runs it): rank 0 hands it over
     first."""
     if self.lead:
+        # a sampled request draws the same numbers on every rank
         if job.seed is None:
-            job.seed = int.from_bytes(os.urandom(4), "little")  # a sampled request draws the same numbers on every rank
+            job.seed = int.from_bytes(os.urandom(4), "little")
         share({"job": describe(job), "keep": len(engine.cache)}, self.group)
     if missing := _vote(self.group, job is None):
         raise RuntimeError(f"{missing} of {self.group.size()} ranks could not start this request, so no rank runs it")
@@ -129,8 +130,9 @@ def agree_tokens(self: RankCoordinator, tokens: list):
     agree_everywhere(tokens, self.group)
 
 # %% ../../nbs/08b_serve_distributed.ipynb #18adc43f
+# a joined job's own look, inside a batched turn: only a leave, decided by rank 0, stops it
 def _never(stop: bool) -> bool:
-    return False  # a joined job's own look, inside a batched turn: only a leave, decided by rank 0, stops it
+    return False
 
 
 @patch
@@ -167,9 +169,8 @@ def work_batched(self: RankCoordinator, engine: Engine):
         busy = bool(len(batch) or batch.early)
         joins = engine.take(batch, wait=None if busy else max(due - time.monotonic(), 0))
         time.sleep(max(due - time.monotonic(), 0))  # the others look at `due`
-        stopping = (
-            joins is None
-        )  # the server stops: `close` cancelled every job, so they all leave now, then every rank ends
+        # the server stops: `close` cancelled every job, so they all leave now, then every rank ends
+        stopping = joins is None
         joins, leaving = joins or [], engine.stopped()
         if not (busy or joins or leaving):
             if not stopping:
@@ -180,9 +181,8 @@ def work_batched(self: RankCoordinator, engine: Engine):
                 if job.seed is None:
                     job.seed = int.from_bytes(os.urandom(4), "little")  # the same draws on every rank
                 ids[job], n = n, n + 1
-            with (
-                self.watch
-            ):  # from the turn's message to its end, a peer that dies or hangs ends this rank within --rank-timeout
+            # from the turn's message to its end, a peer that dies or hangs ends this rank within --rank-timeout
+            with self.watch:
                 share(
                     {
                         "turn": {
@@ -234,9 +234,8 @@ def work(self: RankCoordinator, engine: Engine):
             job = engine.jobs.get(timeout=max(due - time.monotonic(), 0))
         except queue.Empty:
             job = False
-        time.sleep(
-            max(due - time.monotonic(), 0)
-        )  # the others look at `due`: meet them then, rather than spin waiting in a collective
+        # the others look at `due`: meet them then, rather than spin waiting in a collective
+        time.sleep(max(due - time.monotonic(), 0))
         if job is None:
             return share(None, self.group)
         if job is False:
@@ -264,15 +263,13 @@ def follow_one(engine: Engine, msg: dict):
 
 def follow(engine: Engine):
     "A rank other than 0: run each job rank 0 hands over, in step with it, until rank 0 says the server stops."
-    signal.signal(
-        signal.SIGINT, signal.SIG_IGN
-    )  # Ctrl-C reaches every rank of the job: rank 0 stops the server, then tells this one
+    # Ctrl-C reaches every rank of the job: rank 0 stops the server, then tells this one
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     due, idle, batch, jobs = time.monotonic(), 0, None, {}  # batched: the batch, and its jobs by rank 0's ids
     while True:
         time.sleep(max(due - time.monotonic(), 0))  # rank 0 speaks at `due`
-        busy = batch is not None and bool(
-            len(batch) or batch.early
-        )  # mid-batch, rank 0 must speak again soon: a silence is a fault
+        # mid-batch, rank 0 must speak again soon: a silence is a fault
+        busy = batch is not None and bool(len(batch) or batch.early)
         with engine.coordinator.watch if busy else nullcontext():
             msg = share(None, engine.coordinator.group)
         if msg is None:
@@ -291,10 +288,8 @@ def cmd_serve_ranks(args, ranks):
     make = lambda *a, **kw: rank_engine(*a, ranks=ranks, **kw)
     if ranks.lead:
         return cmd_serve(args, loader=ranks.load, make_engine=make)
-    limits, _ = (
-        server_limits(args),
-        parse_bytes(args.max_request_bytes, "--max-request-bytes"),
-    )  # the checks rank 0 makes, so a bad value ends every rank
+    # the checks rank 0 makes, so a bad value ends every rank
+    limits, _ = server_limits(args), parse_bytes(args.max_request_bytes, "--max-request-bytes")
     logging.basicConfig(
         level=args.log_level.upper(), format=f"%(levelname)s:     rank {ranks.rank}: %(name)s: %(message)s"
     )

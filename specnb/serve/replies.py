@@ -79,11 +79,8 @@ class _Choice:
     endpoint's shape."""
 
     def __init__(self, tokenizer, turn: Turn | None):
-        self.tokenizer, self.turn, self.offset = (
-            tokenizer,
-            turn,
-            0,
-        )  # offset: where a completion's next token starts in its text
+        # offset: where a completion's next token starts in its text
+        self.tokenizer, self.turn, self.offset = tokenizer, turn, 0
 
     def piece(self, text: str, entries: list) -> tuple:
         "`(delta, logprobs)` of a burst of text and its tokens' logprob entries."
@@ -190,15 +187,13 @@ async def respond(
 ):
     "Queue the request's jobs (its `n` choices) and answer them: streamed, or as one body."
     jobs, group, loop = [], Choices() if req.n > 1 else None, asyncio.get_running_loop()
-    grammar = await run_in_threadpool(
-        turn_grammar, engine.tokenizer, req, tools, prompt
-    )  # compiling can take a while: once, off the loop
+    # compiling can take a while: once, off the loop
+    grammar = await run_in_threadpool(turn_grammar, engine.tokenizer, req, tools, prompt)
     for i in range(req.n):
         job = make_job(engine.limits, req, endpoint, prompt, None, choice=i)
         job.request, job.group, job.loop = req, group, loop
-        job.grammar = (
-            grammar if i == 0 or grammar is None else grammar.fork()
-        )  # each choice walks its own matcher from the start
+        # each choice walks its own matcher from the start
+        job.grammar = grammar if i == 0 or grammar is None else grammar.fork()
         jobs.append(job)
     engine.submit(*jobs)
     reply = Reply(endpoint, engine.limits.model_id, req.stream_options is not None and req.stream_options.include_usage)

@@ -70,14 +70,12 @@ class Job:
     loop: asyncio.AbstractEventLoop | None = None  # the HTTP side's event loop, which waits for the events
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
-    error: APIError | None = (
-        None  # why the server stopped it (its time ran out, the server is stopping); None: finished, or the client left
-    )
+    # why the server stopped it (its time ran out, the server is stopping); None: finished, or the client left
+    error: APIError | None = None
     reserved: int = 0  # bytes of memory it was admitted with
     request: object = None  # the parsed body, which a server's other ranks rebuild the job from (--distributed)
-    agree: object = (
-        None  # fn(stop: bool) -> bool: this rank's stop decision made every rank's (--distributed); None alone
-    )
+    # fn(stop: bool) -> bool: this rank's stop decision made every rank's (--distributed); None alone
+    agree: object = None
 
     def __post_init__(self):
         self._events, self._ready, self._wake_pending = deque(), asyncio.Event(), False
@@ -145,9 +143,8 @@ def count_past(tokenizer, text: str, bound: int, piece: int = 8192) -> int | Non
         end = start + piece
         if end < len(text) and (cut := text.rfind(" ", start + 1, end)) > start:
             end = cut
-        n += max(
-            len(tokenizer.encode(text[start:end], add_special_tokens=False)) - 1, 0
-        )  # a cut can save at most one token
+        # a cut can save at most one token
+        n += max(len(tokenizer.encode(text[start:end], add_special_tokens=False)) - 1, 0)
         if n > bound:
             return n
         start = end
@@ -235,10 +232,10 @@ def chat_prompt(
     messages: list,
     max_tokens: int = 1,
     template_kwargs: dict | None = None,
-    reasoning_effort: str
-    | None = None,  # handed to a chat template that reads it (gpt-oss's), refused by one that does not
-    tools: list | None = None,
-) -> list:  # the functions the model may call (OpenAI's `tools`, as dicts), handed to the template
+    # handed to a chat template that reads it (gpt-oss's), refused by one that does not
+    reasoning_effort: str | None = None,
+    tools: list | None = None,  # the functions the model may call (OpenAI's `tools`, as dicts), handed to the template
+) -> list:
     """Token ids of a conversation through the tokenizer's chat template (with the request's `chat_template_kwargs`),
     ready for the assistant's turn."""
     tokenizer = limits.tokenizer
@@ -358,8 +355,13 @@ def asked_logprobs(req) -> int | None:
 
 
 def make_job(
-    limits, req: BaseRequest, endpoint: str, prompt: list, grammar, choice: int = 0
-) -> Job:  # which of the request's `n` choices
+    limits,
+    req: BaseRequest,
+    endpoint: str,
+    prompt: list,
+    grammar,
+    choice: int = 0,  # which of the request's `n` choices
+) -> Job:
     "Check the request's limits and build its sampler, processors and stop list into a `Job`."
     param = "prompt" if endpoint == "completions" else "messages"
     if not prompt:
@@ -368,9 +370,8 @@ def make_job(
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     refuse_unhonoured(req)
     room = None if limits.max_context is None else limits.max_context - len(prompt)
-    max_tokens = asked_tokens(req) or least(
-        limits.max_tokens, max(room, 1) if room is not None else None
-    )  # unasked: what fits
+    # unasked: what fits
+    max_tokens = asked_tokens(req) or least(limits.max_tokens, max(room, 1) if room is not None else None)
     if max_tokens > limits.max_tokens_limit:
         name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         raise APIError(400, f"{name} {max_tokens} is more than this server allows ({limits.max_tokens_limit})", name)
@@ -379,9 +380,8 @@ def make_job(
     if req.logit_bias:
         bias = {}
         for k, v in req.logit_bias.items():
-            if (
-                not re.fullmatch(r"-?[0-9]+", k) or not 0 <= int(k) < limits.vocab_size
-            ):  # str.isdigit takes "²", int() does not
+            # str.isdigit takes "²", int() does not
+            if not re.fullmatch(r"-?[0-9]+", k) or not 0 <= int(k) < limits.vocab_size:
                 raise APIError(
                     400,
                     f"logit_bias key {k!r} is not a token id of this model (0..{limits.vocab_size - 1})",

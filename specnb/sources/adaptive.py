@@ -35,8 +35,9 @@ class AdaptiveSource:
         all_kept = k == d == self.asked
         self.gamma = min(self.gamma + self.up, self.ceiling) if all_kept else max(self.lo, self.gamma - self.down)
 
+    # a tapped source also takes its unread rows
     def save(self, held, anchor_hidden=None):
-        return self.inner.save(held, anchor_hidden)  # a tapped source also takes its unread rows
+        return self.inner.save(held, anchor_hidden)
 
     def draft_logprobs(self):
         return self.inner.draft_logprobs()

@@ -36,7 +36,8 @@ def read_assistant(cfg: dict) -> gemma4_text.ModelArgs:
     if not text:
         raise ValueError("text_config: a Gemma 4 assistant checkpoint describes its layers there, this one has none")
     L = text.get("num_hidden_layers", 1)
-    if text.get("num_kv_shared_layers") not in (None, 0, L):  # every layer borrows K/V: none has projections of its own
+    # every layer borrows K/V: none has projections of its own
+    if text.get("num_kv_shared_layers") not in (None, 0, L):
         raise ValueError(
             f"text_config.num_kv_shared_layers: an assistant's {L} layers all borrow the target's K/V, this one says "
             f"{text['num_kv_shared_layers']}"
@@ -265,11 +266,11 @@ def borrowed_kv(c, window: int | None = None) -> tuple:
     sliding layer), in order."""
     P = c.offset
     if isinstance(c, SpecRotatingKVCache):
-        return c.kept(
-            window
-        )  # the ring's slots from its oldest sure position on; its slack past P holds rejected drafts
+        # the ring's slots from its oldest sure position on; its slack past P holds rejected drafts
+        return c.kept(window)
+    # a request's row of a batch's cache (04c): the same positions, read off its row
     if isinstance(c, RowCache):
-        return c.kept(window)  # a request's row of a batch's cache (04c): the same positions, read off its row
+        return c.kept(window)
     if type(c) is KVCache:
         return c.keys[..., :P, :], c.values[..., :P, :]
     raise ValueError(
@@ -334,8 +335,9 @@ class AssistantSource:
         self.embed, self.scale, self.window = inner.embed_tokens, inner.embed_scale, a.sliding_window
         self.caches = {kind: target.cache[_last_of(a, kind)] for kind in sorted(set(d.args.layer_types))}
         self.rows, self.start, self.anchor, self.logits, self.watching = None, 0, None, [], False
+        # one stand-in, however many requests read it
         if not isinstance(inner.norm, _LastHidden):
-            inner.norm = _LastHidden(inner.norm)  # one stand-in, however many requests read it
+            inner.norm = _LastHidden(inner.norm)
         self.inner = inner
         inner.norm.readers.append(self)
 
@@ -394,9 +396,8 @@ class AssistantSource:
 
         def next_logits(y):
             tok = mx.array([[int(feed[-1])]], mx.uint32) if y is None else y.reshape(1, 1)
-            state[0], logits = self.d(
-                self.embed(tok) * self.scale, state[0], kv, P - 1
-            )  # the query stays at P−1 all round
+            # the query stays at P−1 all round
+            state[0], logits = self.d(self.embed(tok) * self.scale, state[0], kv, P - 1)
             return logits[0]
 
         out, self.logits = draft_tokens(next_logits, n, self.sampler, self.grammar)

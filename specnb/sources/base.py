@@ -81,8 +81,8 @@ def draft_distribution(logits: list, sampler) -> mx.array | None:
     return sampler.logprobs(lg - mx.logsumexp(lg, axis=-1, keepdims=True))
 
 # %% ../../nbs/05_sources.ipynb #b55a8ae3
+# next_logits(y): `(1, V)` logits of the next position after the token `y` just drafted (None: the first)
 def draft_tokens(
-    # next_logits(y): `(1, V)` logits of the next position after the token `y` just drafted (None: the first)
     next_logits,
     n: int,  # the most tokens to propose
     sampler=None,  # the request's sampler (None: greedy)

@@ -105,9 +105,8 @@ class DraftHead(nn.Module):
         self.inp = nn.Linear(h + H, h, bias=False)
         self.block = llama.TransformerBlock(cfg.block_args())
         self.out = nn.Linear(h, H, bias=False)  # back to the target's width
-        if (
-            cfg.draft_vocab
-        ):  # the target ids it may propose, in draft order: set by training, saved with the weights, never trained
+        # the target ids it may propose, in draft order: set by training, saved with the weights, never trained
+        if cfg.draft_vocab:
             self.d2t = mx.arange(cfg.draft_vocab, dtype=mx.int32)
             self.freeze(recurse=False, keys=["d2t"])
 
@@ -208,13 +207,17 @@ class HeadSource:
     `readout`, `vocab_rows`, `depth`): its cache, in lockstep with the target's."""
 
     def __init__(
-        self, head: DraftHead, target: TargetView, sampler=None, grammar=None, tap_layers: list | None = None
-    ):  # the target layers it reads (default: the head's own)
+        self,
+        head: DraftHead,
+        target: TargetView,
+        sampler=None,
+        grammar=None,
+        tap_layers: list | None = None,  # the target layers it reads (default: the head's own)
+    ):
         self.head, self.target, self.sampler, self.grammar = head, target, sampler, grammar
         self.tap_layers = tap_layers or head.cfg.tap_layers
-        self.embed = (
-            head.embed_tokens if "embed_tokens" in head else text_model(target.model).model.embed_tokens
-        )  # its own, else the target's
+        # its own, else the target's
+        self.embed = head.embed_tokens if "embed_tokens" in head else text_model(target.model).model.embed_tokens
         self.rows = head.vocab_rows(target.model)
         self.cache, self.tokens, self.last, self.newest, self.out, self.logits, self.skipped = (
             HeadCache(head.depth),
@@ -284,10 +287,9 @@ class HeadSource:
         position, read from `last`)."""
         if y is None:
             self.newest = self.last
+        # a speculative entry, on the head's own output
         else:
-            self.newest = self.head(
-                self.newest, self.embed(y[None]), cache=self.cache
-            )  # a speculative entry, on the head's own output
+            self.newest = self.head(self.newest, self.embed(y[None]), cache=self.cache)
         return self.readout(self.newest[:, -1])
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
@@ -329,9 +331,8 @@ class HeadSource:
 class HeadProvider:
     "Drafting with a trained head on the target's hidden states; each request gets a `HeadSource`."
 
-    def __init__(
-        self, head: DraftHead | str | Path | None = None
-    ):  # a head, a folder holding one, or None: the one trained for the bundled target
+    # a head, a folder holding one, or None: the one trained for the bundled target
+    def __init__(self, head: DraftHead | str | Path | None = None):
         self.head = head if isinstance(head, DraftHead) else load_head(head)
 
     def check(self, model):

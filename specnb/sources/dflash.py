@@ -35,7 +35,8 @@ def default_layer_ids(target_layers: int, draft_layers: int) -> list:
 class DFlashSpec:
     "What a published DFlash checkpoint says, in one shape whatever its config's age."
 
-    layer: dict  # its decoder layers' config (Qwen3): hidden_size and vocab_size are the target's
+    # its decoder layers' config (Qwen3): hidden_size and vocab_size are the target's
+    layer: dict
     target_layers: int  # num_target_layers: the depth of the target it was trained for
     layer_ids: list  # the target layers whose OUTPUTS it reads (HF `hidden_states[id + 1]`)
     block_size: int  # positions per forward: the bonus token and block_size - 1 drafts
@@ -46,7 +47,8 @@ class DFlashSpec:
     layer_types: list = field(default_factory=list)  # per layer: full_attention or sliding_attention
     sliding_window: int | None = None
     is_causal: bool | None = None  # None: causal inside the block on sliding layers only
-    context: int | None = None  # draft_window_size: attend to at most this many newest context positions (None: all)
+    # draft_window_size: attend to at most this many newest context positions (None: all)
+    context: int | None = None
 
     def window(self, i: int) -> int | None:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
@@ -90,13 +92,11 @@ def read_dflash(cfg: dict) -> DFlashSpec:
         )
     if "DFlashDraftModel" not in archs:
         raise ValueError(f"not a DFlash checkpoint: architectures {archs} (z-lab's layout says DFlashDraftModel)")
-    get = lambda name, default=None: dc.get(
-        name, cfg.get(name, default)
-    )  # newer checkpoints nest these in dflash_config
+    # newer checkpoints nest these in dflash_config
+    get = lambda name, default=None: dc.get(name, cfg.get(name, default))
     n, L = cfg["num_hidden_layers"], cfg["num_target_layers"]
-    window = (
-        cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-    )  # as transformers' Qwen3Config reads them
+    # as transformers' Qwen3Config reads them
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
     layer_types = cfg.get("layer_types") or [
         "sliding_attention" if window and i >= cfg.get("max_window_layers", 28) else "full_attention" for i in range(n)
     ]
@@ -208,9 +208,8 @@ class DFlash(nn.Module):
     """A DFlash block drafter: `fc` + `hidden_norm` turn tapped target rows into context features; its layers draft a
     whole block over them."""
 
-    def __init__(
-        self, spec: DFlashSpec, embed: bool = False
-    ):  # embed: it stores its own token embedding (else it borrows the target's)
+    # embed: it stores its own token embedding (else it borrows the target's)
+    def __init__(self, spec: DFlashSpec, embed: bool = False):
         super().__init__()
         a, self.spec = spec.layer, spec
         if embed:
@@ -331,15 +330,15 @@ class DFlashSource:
         sampler=None,
         grammar=None,
         tap_layers: list | None = None,  # the target layers it reads (default: the checkpoint's)
-        p_min: float
-        | None = None,  # cut the block at the first position whose top probability is below this (None: never)
+        # cut the block at the first position whose top probability is below this (None: never)
+        p_min: float | None = None,
+        # attend to at most this many newest context positions (None: the checkpoint's draft_window_size, else all)
         context: int | None = None,
-    ):  # attend to at most this many newest context positions (None: the checkpoint's draft_window_size, else all)
+    ):
         self.drafter, self.target, self.sampler, self.grammar, self.p_min = drafter, target, sampler, grammar, p_min
         self.tap_layers = tap_layers or drafter.spec.layer_ids
-        self.embed = (
-            drafter.embed_tokens if "embed_tokens" in drafter else text_model(target.model).model.embed_tokens
-        )  # its own, else the target's
+        # its own, else the target's
+        self.embed = drafter.embed_tokens if "embed_tokens" in drafter else text_model(target.model).model.embed_tokens
         self.head, self.context = output_head(target.model), context or drafter.spec.context
         self.caches, self.skipped, self.logits = drafter.caches(), None, []
 
@@ -374,15 +373,14 @@ class DFlashSource:
             return []
         block = mx.array([[int(feed[-1])] + [self.drafter.spec.mask_token_id] * n], mx.uint32)  # the bonus, then masks
         x = self.embed(block) * self.drafter.spec.embedding_scale
-        logits = self.drafter.logits(self.drafter(x, self.caches, start, self.context)[:, 1:], self.head)[
-            0
-        ]  # (n, V): every draft at once
-        if (
-            self.grammar is None and not self.p_min
-        ):  # every row drawn at once: one graph, evaluated with the verify forward
+        # (n, V): every draft at once
+        logits = self.drafter.logits(self.drafter(x, self.caches, start, self.context)[:, 1:], self.head)[0]
+        # every row drawn at once: one graph, evaluated with the verify forward
+        if self.grammar is None and not self.p_min:
             self.logits = [logits]
             return sample_positions(logits, self.sampler)
-        rows = iter(range(n))  # row by row: a grammar walks its fork along the drafts, the confidence cut looks at each
+        # row by row: a grammar walks its fork along the drafts, the confidence cut looks at each
+        rows = iter(range(n))
         out, self.logits = draft_tokens(
             lambda y: logits[next(rows)][None], n, self.sampler, self.grammar, self._confident if self.p_min else None
         )
@@ -413,8 +411,8 @@ class DFlashProvider:
         self,
         drafter: DFlash | str | Path,  # a loaded drafter, or a folder or hub id holding one
         p_min: float | None = None,  # the confidence cut (see `DFlashSource`)
-        context: int | None = None,
-    ):  # the context bound (see `DFlashSource`)
+        context: int | None = None,  # the context bound (see `DFlashSource`)
+    ):
         self.drafter = drafter if isinstance(drafter, DFlash) else load_dflash(drafter)
         self.p_min, self.context = p_min, context
 

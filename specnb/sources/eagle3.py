@@ -51,9 +51,8 @@ class Eagle3Spec:
     layer: dict  # its decoder layers' config (llama or qwen3); vocab_size = the target's
     draft_vocab: int  # tokens it can propose
     target_hidden: int  # the width of each tapped row
-    layer_ids: list | None = (
-        None  # the tapped layers as the layout counts them (None: EAGLE-3's default for the target's depth)
-    )
+    # the tapped layers as the layout counts them (None: EAGLE-3's default for the target's depth)
+    layer_ids: list | None = None
     ids_are_inputs: bool = True  # HF hidden_states indices (the input of a layer), else layer outputs
     norm_before_residual: bool = False
     norm_before_fc: bool = False
@@ -254,14 +253,8 @@ def save_eagle3(drafter: Eagle3, path, dtype=mx.float16):
     write_checkpoint(path, eagle3_config(drafter.spec), w, dtype)  # d2t as int64, as torch writes it
 
 
-def random_eagle3(
-    model,
-    layer_ids: list
-    | None = None,  # `hidden_states` indices of the tapped layers (None: EAGLE-3's default for the target's depth)
-    draft_vocab: int = 0,
-    seed: int = 0,
-    heads: int = 4,
-) -> Eagle3:
+# `hidden_states` indices of the tapped layers (None: EAGLE-3's default for the target's depth)
+def random_eagle3(model, layer_ids: list | None = None, draft_vocab: int = 0, seed: int = 0, heads: int = 4) -> Eagle3:
     "An untrained EAGLE-3 drafter as wide as `model` (an mlx-lm model): same seed, same weights (and draft vocabulary)."
     a = text_model(model).args
     layer = dict(
@@ -322,9 +315,8 @@ class Eagle3Provider:
         target's dtype (a float16 checkpoint on a float32 target is slow on a CPU)."""
         taps = self.tap_layers(model)
         e = text_model(model).model.embed_tokens
-        self.drafter.set_dtype(
-            e.scales.dtype if "scales" in e else e.weight.dtype
-        )  # a quantized target: its scales' dtype
+        # a quantized target: its scales' dtype
+        self.drafter.set_dtype(e.scales.dtype if "scales" in e else e.weight.dtype)
         return taps
 
     def open(

@@ -40,8 +40,9 @@ class EarlyExitSource:
     def _logits(self, y):
         "`(1, V)` logits of the next position after the token `y`, through the first layers on the target's caches."
         h = self.embed(y[None])
+        # a sliding layer sees its window, a full one all
         for layer, c in zip(self.layers, self.cache):
-            h = layer(h, _mask(h, c), cache=c)  # a sliding layer sees its window, a full one all
+            h = layer(h, _mask(h, c), cache=c)
         return self.head(self.norm(h[:, -1]))
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
@@ -68,11 +69,8 @@ class EarlyExitSource:
         self.cache = None
 
 # %% ../../nbs/05d_early_exit.ipynb #d2892fd8
-_ROLLS_BACK = (
-    KVCache,
-    SpecRotatingKVCache,
-    ArraysCache,
-)  # what `spec_cache` makes that a draft's speculative entries can leave again
+# what `spec_cache` makes that a draft's speculative entries can leave again
+_ROLLS_BACK = (KVCache, SpecRotatingKVCache, ArraysCache)
 
 
 class EarlyExitProvider:
@@ -87,9 +85,8 @@ class EarlyExitProvider:
         """Raise `ValueError`, naming the architecture and the reason, unless `model` can exit early at `exit_layer`
         (call at start-up)."""
         arch, inner, L = arch_name(model), getattr(model, "model", None), self.exit_layer
-        if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")) or not isinstance(
-            inner.layers, list
-        ):  # PLaMo 2: a module of layers
+        # PLaMo 2: a module of layers
+        if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")) or not isinstance(inner.layers, list):
             raise ValueError(
                 f"early exit cannot cut {arch} short: it needs the decoder at model.model with embed_tokens, layers "
                 "and a final norm "
@@ -105,10 +102,9 @@ class EarlyExitProvider:
                 f"early exit cannot draft on {arch}: its first {L} layers keep {bad}, which cannot give back a "
                 "draft's entries"
             )
+        # one token through the cut model
         try:
-            out = EarlyExitSource(TargetView(model, cache), L)._logits(
-                mx.array([0], mx.uint32)
-            )  # one token through the cut model
+            out = EarlyExitSource(TargetView(model, cache), L)._logits(mx.array([0], mx.uint32))
         except (TypeError, AttributeError, ValueError, IndexError) as e:
             raise ValueError(
                 f"early exit cannot run {arch}'s first {L} layers on their own ({type(e).__name__}: {e})"

@@ -47,13 +47,13 @@ class LookupFirstSource:
             self.inner.commit(d, k)
             self.lookup.extend(kept)
 
+    # a saved context is the inner source's; lookup rebuilds from the prompt
     def save(self, held, anchor_hidden=None):
-        return self.inner.save(
-            held, anchor_hidden
-        )  # a saved context is the inner source's; lookup rebuilds from the prompt
+        return self.inner.save(held, anchor_hidden)
 
+    # None: exact match this round
     def draft_logprobs(self):
-        return None if self.by_lookup else self.inner.draft_logprobs()  # None: exact match this round
+        return None if self.by_lookup else self.inner.draft_logprobs()
 
     def close(self):
         self.inner.close()
@@ -124,7 +124,6 @@ class PredictedProvider:
                 grammar=grammar,
             )
             lookup = src.lookup
-        lookup.extend(
-            self.predicted
-        )  # before the prompt (prefill comes next): its continuations are the first occurrences
+        # before the prompt (prefill comes next): its continuations are the first occurrences
+        lookup.extend(self.predicted)
         return src

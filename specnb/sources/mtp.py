@@ -63,15 +63,17 @@ class MtpHead(nn.Module):
     def vocab_rows(self, model):
         return None  # an MTP head drafts over the whole vocabulary
 
+    # the name the head's trainer (05f) reads
     def logits(self, model, a, rows=None) -> mx.array:
-        return self.readout(model, a, rows)  # the name the head's trainer (05f) reads
+        return self.readout(model, a, rows)
 
     def decode(self, x, mask=None, cache=None) -> mx.array:
         """The decoder stack on `x`, each layer with its own cache (`cache.more` holds those after the first; a
         one-layer head takes any cache)."""
         caches = [None] * self.depth if cache is None else [cache, *getattr(cache, "more", [])]
+        # MLA applies it to its rope scores: an array
         if isinstance(mask, str):
-            mask = create_attention_mask(x, cache, return_array=True)  # MLA applies it to its rope scores: an array
+            mask = create_attention_mask(x, cache, return_array=True)
         for layer, c in zip(self.layers, caches):
             x = layer(x, mask, c)
         return x
@@ -122,9 +124,8 @@ class QwenMtp(MtpHead):
             decoder_sparse_step=1,
             num_experts=a.num_experts if moe else 0,
         )
-        args = replace(
-            a, **{k: v for k, v in full.items() if k in {f.name for f in fields(a)}}
-        )  # Qwen3.5's arguments have no mlp_only_layers
+        # Qwen3.5's arguments have no mlp_only_layers
+        args = replace(a, **{k: v for k, v in full.items() if k in {f.name for f in fields(a)}})
         self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=eps), nn.RMSNorm(H, eps=eps)
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.layers = [DECODER_LAYERS[a.model_type](args, i) for i in range(depth)]
@@ -226,11 +227,8 @@ def stack_experts(w: dict) -> dict:
     return out
 
 
-ZERO_CENTRED = (
-    "norm.weight",
-    "pre_fc_norm_embedding.weight",
-    "pre_fc_norm_hidden.weight",
-)  # every RMSNorm of a Qwen MTP block
+# every RMSNorm of a Qwen MTP block
+ZERO_CENTRED = ("norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
 
 
 def qwen_weights(target, tensors: dict, prefix: str = "mtp.") -> dict:
@@ -240,13 +238,8 @@ def qwen_weights(target, tensors: dict, prefix: str = "mtp.") -> dict:
     return stack_experts({k: v + 1.0 if k.endswith(ZERO_CENTRED) and v.ndim == 1 else v for k, v in w.items()})
 
 
-DEEPSEEK_OWN = (
-    "enorm",
-    "hnorm",
-    "eh_proj",
-    "shared_head",
-    "embed_tokens",
-)  # the MTP module's own tensors; the rest is its decoder layer
+# the MTP module's own tensors; the rest is its decoder layer
+DEEPSEEK_OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
 
 
 def deepseek_weights(target, tensors: dict, prefix: str) -> dict:
@@ -325,8 +318,9 @@ def mtp_prefix(path, names, target) -> str:
         at = sorted(
             {int(k.split(".")[2]) for k in names if k.startswith("model.layers.") and k.endswith(".eh_proj.weight")}
         )
+        # the MTP layer comes right after the last
         if at and N not in at:
-            raise misfit(path, "num_hidden_layers", at[0], N)  # the MTP layer comes right after the last
+            raise misfit(path, "num_hidden_layers", at[0], N)
         prefix = f"model.layers.{N}."
     if not any(k.startswith(prefix) for k in names):
         raise ValueError(
@@ -374,8 +368,9 @@ def load_mtp(
         head.load_weights(list(w.items()))  # strict: every weight present, no stray ones
     except ValueError as e:
         raise ValueError(f"MTP weights in {path} do not fit the target: {' '.join(str(e).split())}") from None
+    # upcast only: float16 is slow on a CPU
     if text_model(target).model.embed_tokens.weight.dtype == mx.float32:
-        head.set_dtype(mx.float32)  # upcast only: float16 is slow on a CPU
+        head.set_dtype(mx.float32)
     mx.eval(head.parameters())
     return head
 
@@ -384,11 +379,8 @@ class MtpProvider:
     """Drafting with the MTP head published inside the target's own checkpoint; each request gets a `HeadSource` on the
     target's last layer."""
 
-    def __init__(
-        self,
-        path,  # the target's original checkpoint (mlx-community conversions drop the MTP weights)
-        post_norm: bool = True,
-    ):  # features after the target's final norm; False: before it
+    # the target's original checkpoint (mlx-community conversions drop the MTP weights)
+    def __init__(self, path, post_norm: bool = True):  # features after the target's final norm; False: before it
         self.path, self.post_norm, self.head, self.model = path, post_norm, None, None
         checkpoint_keys(path)  # a wrong path is refused before any model loads
 

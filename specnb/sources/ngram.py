@@ -50,8 +50,9 @@ class NgramSource:
     def commit(self, d, k):
         self.extend(self.last[: min(k, d - 1)])  # the last kept draft (if all were kept) comes back in the feed
 
+    # nothing worth keeping: prefill rebuilds the index from the prompt
     def save(self, held, anchor_hidden=None):
-        return []  # nothing worth keeping: prefill rebuilds the index from the prompt
+        return []
 
     def draft_logprobs(self):
         return None  # a lookup has no distribution: the round falls back to exact match

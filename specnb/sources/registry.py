@@ -35,9 +35,8 @@ class DraftKind:
     needs_draft: bool = False  # drafts with a second model, loaded from `--draft-model`
     # reads the target's own layers (its hidden states): cannot follow a target that --pipeline spreads over ranks
     reads_layers: bool = False
-    in_target: bool = (
-        False  # its checkpoint is the target's own (native MTP layers): `--draft-model` defaults to `--model`
-    )
+    # its checkpoint is the target's own (native MTP layers): `--draft-model` defaults to `--model`
+    in_target: bool = False
 
     def takes(self, option: str) -> bool:
         "Does this kind read `option` (a key of `OPTIONS`)?"
@@ -84,12 +83,10 @@ def _published(module: str, cls: str, what: str, where: str = "--draft-model (a 
     def make(draft, draft_model=None, **options):
         if draft_model is None:
             raise ValueError(f"{module} drafting reads {what}: give it with {where}")
-        provider = getattr(
-            importlib.import_module(f"specnb.sources.{module}"), cls
-        )  # imported when asked for: each pulls in its own formats
-        return provider(
-            draft_model, **{rename.get(k, k): v for k, v in options.items()}
-        )  # a folder, a hub id, or a loaded drafter
+        # imported when asked for: each pulls in its own formats
+        provider = getattr(importlib.import_module(f"specnb.sources.{module}"), cls)
+        # a folder, a hub id, or a loaded drafter
+        return provider(draft_model, **{rename.get(k, k): v for k, v in options.items()})
 
     return make
 
@@ -99,9 +96,8 @@ _mtp = _published(
     "mtp", "MtpProvider", "the MTP layers in the target's original checkpoint", "--model (or --draft-model)"
 )
 _assistant = _published("assistant", "AssistantProvider", "a published Gemma 4 assistant checkpoint")
-_dflash = _published(
-    "dflash", "DFlashProvider", "a published DFlash checkpoint", draft_p_min="p_min"
-)  # p_min: the block is cut before its first unsure position
+# p_min: the block is cut before its first unsure position
+_dflash = _published("dflash", "DFlashProvider", "a published DFlash checkpoint", draft_p_min="p_min")
 
 
 def behind_lookup(kind: DraftKind) -> DraftKind:
@@ -260,8 +256,9 @@ def default_draft_tokens(kind: str, draft_model=None) -> int:
 def check_drafting(kind: str, options: dict, adaptive: bool = False):
     "Refuse, before any model loads, an option `kind` would ignore or a value its provider refuses."
     refuse_unread([kind], options)
+    # a published drafter's checkpoint is read once, by load_drafting
     if "draft_model" in find_kind(kind).reads:
-        return  # a published drafter's checkpoint is read once, by load_drafting
+        return
     provider = find_kind(kind).make(None, **_given(**dict(options, draft_model=None)))  # no draft model yet
     if adaptive and provider is None:
         raise ValueError(f"--adaptive adapts the length of a draft; {kind} drafts nothing")
@@ -275,23 +272,20 @@ def load_drafting(args, loader=None):
     kind = draft_kind(args.model, args.draft_model, args.draft_kind, args.draft_head, args.lookup_first)
     if args.num_draft_tokens is not None and kind == "none":
         raise ValueError(f"--num-draft-tokens {args.num_draft_tokens}: --draft-kind none drafts nothing")
+    # said here so that a given value can be told apart
     if args.num_draft_tokens is None:
-        args.num_draft_tokens = default_draft_tokens(
-            kind, args.draft_model
-        )  # said here so that a given value can be told apart
+        args.num_draft_tokens = default_draft_tokens(kind, args.draft_model)
     if args.num_draft_tokens < 1:
         raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
     options = drafting_options(args)
     check_drafting(kind, options, args.adaptive)
-    draft, published = (
-        options.pop("draft_model"),
-        "draft_model" in KINDS[kind].reads,
-    )  # published: a drafter's checkpoint, not a second model
+    # published: a drafter's checkpoint, not a second model
+    draft, published = options.pop("draft_model"), "draft_model" in KINDS[kind].reads
+    # native MTP: in the target's own checkpoint
     if published and draft is None and KINDS[kind].in_target:
-        draft = args.model  # native MTP: in the target's own checkpoint
-    pair = (loader or load_pair)(
-        args.model, None if published else draft
-    )  # without --model: the bundled target, and --draft-model if given
+        draft = args.model
+    # without --model: the bundled target, and --draft-model if given
+    pair = (loader or load_pair)(args.model, None if published else draft)
     provider = make_provider(
         kind,
         pair.draft if KINDS[kind].needs_draft else None,

@@ -34,12 +34,8 @@ class TwoModelSource:
             prefill_step_size,
             grammar,
         )
-        self.p_min, self.cache, self.history, self.logits = (
-            p_min,
-            spec_cache(model, 2),
-            None,
-            [],
-        )  # sliding windows and recurrent state roll back
+        # sliding windows and recurrent state roll back
+        self.p_min, self.cache, self.history, self.logits = p_min, spec_cache(model, 2), None, []
 
     def prefill(self, prompt_ids, ctx=None):
         """Read the prompt, all but its last token (the first `feed`); `ctx`: saved caches already holding a prefix of

@@ -80,9 +80,8 @@ def anchor_mask(anchors, N: int, B: int) -> mx.array:
     """`(batch, 1, A·B, N + A·B)`: block i's queries see the N context keys before its anchor, and all of block i (no
     other block)."""
     Bt, A = anchors.shape
-    ctx = (
-        mx.arange(N)[None, None] < mx.repeat(anchors, B, axis=1)[:, :, None]
-    )  # context keys before each query's anchor
+    # context keys before each query's anchor
+    ctx = mx.arange(N)[None, None] < mx.repeat(anchors, B, axis=1)[:, :, None]
     blk = mx.repeat(mx.arange(A), B)
     own = mx.broadcast_to(blk[:, None] == blk[None], (Bt, A * B, A * B))  # block-diagonal
     return mx.concatenate([ctx, own], axis=-1)[:, None]

@@ -45,8 +45,8 @@ def new_eagle3(
     config: dict,  # a speculators EAGLE-3 `config.json`, as a dict
     vocab=None,  # the draft vocabulary: sorted target ids (None: the whole vocabulary)
     seed: int = 0,
-    target_norm: bool = True,
-) -> Eagle3:  # start `norm` at the target's final-norm scale; False: at ones, as speculators does
+    target_norm: bool = True,  # start `norm` at the target's final-norm scale; False: at ones, as speculators does
+) -> Eagle3:
     """An untrained EAGLE-3 drafter for `target`: its embedding (frozen), final norm and output rows of `vocab` copied
     from the target."""
     mx.random.seed(seed)
@@ -117,7 +117,8 @@ def fit_fc_norm(drafter: Eagle3, feats):
     for norm, rows in zip(
         drafter.fc_norm, mx.split(feats.reshape(-1, feats.shape[-1]).astype(mx.float32), len(drafter.fc_norm), axis=-1)
     ):
-        unit = rows * mx.rsqrt((rows * rows).mean(-1, keepdims=True) + norm.eps)  # what the norm sees, before its scale
+        # what the norm sees, before its scale
+        unit = rows * mx.rsqrt((rows * rows).mean(-1, keepdims=True) + norm.eps)
         norm.weight = (1 / (mx.sqrt((unit * unit).mean(0)) + 1e-6)).astype(norm.weight.dtype)
     mx.eval(drafter.parameters())
 
@@ -160,8 +161,8 @@ def train_eagle3(
     eval_every: int = 100,
     log=print,
     warmup: int = 50,  # steps of linear learning-rate warm-up before the cosine decay
-    vocab_only: bool = False,
-) -> list:  # labels within the draft vocabulary only (`draft_labels`), for a target with a large one
+    vocab_only: bool = False,  # labels within the draft vocabulary only (`draft_labels`), for a target with a large one
+) -> list:
     "Train `drafter` on `target`'s tapped features and distributions for `steps` steps; returns the evaluation history."
     mx.random.seed(seed)
     rng, tap = np.random.default_rng(seed), Tap(target, Eagle3Provider(drafter).tap_layers(target))

@@ -209,10 +209,10 @@ def train_head(
     batch: int = BATCH,
     seq: int = SEQ,
     draft_vocab: int = 0,  # propose only this many tokens, the most frequent in the training data (0: all)
-    init: DraftHead
-    | None = None,  # go on training this head (its taps, sizes and draft vocabulary stay) instead of a new one
-    **head_kw,
-):  # `HeadConfig` sizes
+    # go on training this head (its taps, sizes and draft vocabulary stay) instead of a new one
+    init: DraftHead | None = None,
+    **head_kw,  # `HeadConfig` sizes
+):
     "Train a head for `target` for `steps` steps; returns it and the evaluation history."
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
