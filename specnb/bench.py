@@ -6,8 +6,7 @@ Docs: https://specnb.github.io/specnb/bench.html.md"""
 
 # %% auto #0
 __all__ = ['BENCH_TEXTS', 'GROUNDED_TEXTS', 'PROMPT_SETS', 'BENCH_MODELS', 'interleaved', 'report', 'long_context_texts',
-           'bench_model', 'verify_costs', 'draft_costs', 'speedup_bound', 'run_bench', 'print_bench', 'plot_bench',
-           'cmd_bench']
+           'bench_model', 'run_bench', 'print_bench', 'plot_bench', 'cmd_bench']
 
 # %% ../nbs/09_bench.ipynb #5afc0045
 import argparse, gc, importlib.metadata, inspect, json, os, platform, statistics, subprocess, textwrap, time
@@ -18,15 +17,9 @@ from tqdm import tqdm
 from .executor import spec_generate, generate
 from .oracle import mlx_lm_spec_tokens
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 from .models import load_pair, ModelPair, gemma3_270m, smollm2
 from .blas import blas_in_use
-from .prefill import prefill_drain
-from .caches.rollback import rollback
-from .caches.window import make_spec_cache
-from .sources.base import TargetView
 from .sources.registry import KINDS, find_kind, make_provider, published_kind, refuse_unread
-from .tap import Tap
 
 # %% ../nbs/09_bench.ipynb #413c8384
 def interleaved(
@@ -163,81 +156,13 @@ def bench_model(name: str | None) -> str | None:
     return str(BENCH_MODELS[name]()) if name in BENCH_MODELS else name
 
 # %% ../nbs/09_bench.ipynb #cebbddf5
-def _median_s(f, n: int = 15, setup=None) -> float:
-    "Median seconds of `f()` over `n` calls after a warm-up; `setup()`, untimed, before each."
-    ts = []
-    for i in range(n + 1):
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t0)
-    ts = ts[1:]  # the first was the warm-up
-    return statistics.median(ts)
-
-
-def verify_costs(model, prompt: list, ks) -> dict:
-    """Median seconds of one target forward over k new tokens after `prompt`, for each k in `ks` (a verify window of k =
-    γ+1)."""
-    # sliding-window rings with slack: the window can be given back past the ring's size
-    cache = make_spec_cache(model, max(ks))
-    prefill_drain(model, cache, prompt)
-
-    def window(k):
-        x = mx.array([prompt[-1:] * k], mx.uint32)  # the cost does not depend on which tokens
-
-        def run():
-            mx.eval(model(x, cache=cache))
-            rollback(cache, k)
-
-        return run
-
-    return {k: _median_s(window(k)) for k in ks}
-
-
-def draft_costs(provider, model, prompt: list, ns) -> dict:
-    "Median seconds of one `draft` call asked for n tokens (reading one fed token first), for each n in `ns`."
-    cache = make_prompt_cache(model)
-    prefill_drain(model, cache, prompt[:-1])
-    src = provider.open(target=TargetView(model, cache))
-    src.prefill(prompt)
-    tap = Tap(model, src.tap_layers) if getattr(src, "tap_layers", None) else None
-    rows = [None]  # the row `kept_row` hands the next draft
-
-    def kept_row():  # untimed: the target reads one token and keeps it, as after a round that accepted nothing
-        with tap:
-            model(mx.array([prompt[-1:]], mx.uint32), cache=cache)
-        rows[0] = tap.take()
-        mx.eval(rows[0])
-
-    def call(n):
-        def run():
-            d = src.draft([prompt[-1]], n, anchor_hidden=rows[0])
-            if isinstance(d, mx.array):
-                mx.eval(d)
-            src.commit(d.size if isinstance(d, mx.array) else len(d), 0)  # nothing kept: the state stays bounded
-
-        return run
-
-    try:
-        return {n: _median_s(call(n), setup=kept_row if tap is not None else None) for n in ns}
-    finally:
-        src.close()
-
-
-def _line(costs: dict):
-    "Least-squares `f(x) = a + b·x` through {x: seconds}."
-    xs, ys = list(costs), list(costs.values())
-    if len(xs) == 1:
-        return lambda x: ys[0] * x / xs[0]
-    b, a = statistics.linear_regression(xs, ys)
-    return lambda x: a + b * x
-
-
-def speedup_bound(tokens_per_round: float, drafts_per_round: float, draft_s, verify_s) -> float:
-    """The speedup over plain decoding that this acceptance allows at these costs (`draft_s(n)`, `verify_s(k)`: fitted
-    seconds)."""
-    return tokens_per_round * verify_s(1) / (draft_s(drafts_per_round) + verify_s(drafts_per_round + 1))
+from specnb.costs import (
+    median_seconds,
+    verify_costs,
+    draft_costs,
+    fit_line,
+    speedup_bound,
+)  # in specnb.costs; importable from here
 
 # %% ../nbs/09_bench.ipynb #aef275c4
 def _machine() -> dict:
@@ -313,7 +238,7 @@ def run_bench(
     drafts = {
         s: draft_costs(providers[s], T, prompts[0], range(1, G + 1)) for s in sources if not s.endswith("+lookup")
     }
-    vfit, dfit = _line(verify), {s: _line(c) for s, c in drafts.items()}
+    vfit, dfit = fit_line(verify), {s: fit_line(c) for s, c in drafts.items()}
     plain = res["plain"]["tps"]
     rows = []
     for name, r in res.items():

@@ -7,7 +7,7 @@ Docs: https://specnb.github.io/specnb/executor.html.md"""
 # %% auto #0
 __all__ = ['ACCEPTANCE', 'DRAFT_OPTIONS', 'SpecStats', 'SpecResult', 'spec_options', 'SpecRequest', 'open_request', 'read_prompt',
            'propose_drafts', 'verify_drafts', 'accept_drafts', 'emit_tokens', 'commit_round', 'close_request',
-           'SpecStream', 'spec_stream', 'spec_generate', 'generate', 'context_length']
+           'SpecStream', 'spec_stream', 'spec_generate', 'generate']
 
 # %% ../nbs/07_executor.ipynb #7c6a14fe
 import time
@@ -519,23 +519,4 @@ def generate(model, prompt, **kwargs) -> SpecResult:
     return spec_generate(model, None, prompt, **kwargs)
 
 # %% ../nbs/07_executor.ipynb #81f0d458
-_CONTEXT_KEYS = (
-    "max_position_embeddings",
-    "max_sequence_length",
-    "max_seq_len",
-    "n_positions",
-    "seq_length",
-    "context_length",
-    "n_ctx",
-)
-
-
-def context_length(model) -> int | None:
-    """The longest context `model`'s config names (`max_position_embeddings` or another spelling of it); None when it
-    names none."""
-    args = getattr(model, "args", None)
-    for k in _CONTEXT_KEYS:
-        v = getattr(args, k, None) if not isinstance(args, dict) else args.get(k)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
+from .models import context_length  # in specnb.models; importable from here

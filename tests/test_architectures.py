@@ -7,7 +7,7 @@ import random
 import mlx.core as mx, pytest
 from specnb import generate, spec_generate
 from specnb.models import model_from_config, perturbed
-from specnb.caches.recurrent import tiny_hybrid
+from specnb.models import tiny_hybrid
 from specnb.tap import text_model
 from specnb.sources.chain import random_head
 from specnb.sources.eagle3 import random_eagle3
@@ -266,7 +266,7 @@ def batched_equals_alone(target, provs: list, seed: int):
 
 
 # Batched rounds on every hybrid and recurrent family (greedy and seeded sampled, requests joining mid-stream, each
-# equal to its run alone) are nbs/04e_ragged_state.ipynb's gate, over `specnb.caches.recurrent.HYBRIDS`; this file does
+# equal to its run alone) are nbs/04e_ragged_state.ipynb's gate, over `specnb.models.HYBRIDS`; this file does
 # not run them again.
 
 

@@ -6,7 +6,7 @@ import pytest
 import mlx.core as mx
 from specnb.batching.rounds import Batch
 from specnb.models import random_model
-from specnb.caches.recurrent import tiny_hybrid
+from specnb.models import tiny_hybrid
 from specnb.sources.ngram import NgramProvider
 from specnb.serve.memory import held_by, measure_footprints
 

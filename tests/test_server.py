@@ -744,7 +744,7 @@ def _save_tiny(folder: Path, cfg: dict, seed: int, noise: float = 0.0):
 def _tiny_configs(vocab: int) -> dict:
     """A llama whose even layers slide over 16 tokens, and a Qwen3-Next hybrid (Gated DeltaNet), with the bundled
     tokenizer's vocabulary."""
-    from specnb.caches.recurrent import HYBRIDS
+    from specnb.models import HYBRIDS
 
     shape = dict(
         vocab_size=vocab,

@@ -21,7 +21,7 @@ from ..checkpoint import checkpoint_keys, read_config, read_tensors, write_check
 
 # their home before specnb.checkpoint: still importable from here
 from ..checkpoint import hub_file, on_hub, safetensors_names  # noqa: F401
-from ..caches.recurrent import tiny_hybrid
+from ..models import tiny_hybrid
 from ..tap import arch_name, text_model
 from .base import TargetView, output_head
 from .chain import HeadSource, check_head_target
