@@ -6,7 +6,7 @@ Docs: https://specnb.github.io/specnb/sources.html.md"""
 
 # %% auto #0
 __all__ = ['TargetView', 'DraftSource', 'DraftProvider', 'fork_grammar', 'output_layer', 'output_head', 'draft_distribution',
-           'draft_tokens', 'NoDraft', 'protocol_mismatches']
+           'compute_dtype', 'draft_tokens', 'NoDraft', 'protocol_mismatches']
 
 # %% ../../nbs/05_sources.ipynb #21338cac
 import inspect
@@ -79,6 +79,12 @@ def draft_distribution(logits: list, sampler) -> mx.array | None:
         return None
     lg = mx.concatenate(logits)
     return sampler.logprobs(lg - mx.logsumexp(lg, axis=-1, keepdims=True))
+
+
+def compute_dtype(model):
+    """The dtype `model` computes in: what its token embedding returns (a quantized target's float type, never its
+    scales' `uint8` as in mxfp4/mxfp8/nvfp4); a drafter runs in it."""
+    return text_model(model).model.embed_tokens(mx.array([[0]])).dtype
 
 # %% ../../nbs/05_sources.ipynb #b55a8ae3
 # next_logits(y): `(1, V)` logits of the next position after the token `y` just drafted (None: the first)

@@ -123,8 +123,9 @@ class DraftHead(nn.Module):
         layer, ids = output_layer(model), self.d2t
         if hasattr(layer, "scales"):  # a quantized lm-head or tied embedding: unpack just these rows
             biases = layer.biases[ids] if "biases" in layer else None
+            mode = getattr(layer, "mode", "affine")  # mxfp4, mxfp8, nvfp4: no biases, uint8 scales
             return mx.dequantize(
-                layer.weight[ids], layer.scales[ids], biases, layer.group_size, layer.bits, dtype=mx.float32
+                layer.weight[ids], layer.scales[ids], biases, layer.group_size, layer.bits, mode=mode, dtype=mx.float32
             )
         return layer.weight[ids].astype(mx.float32)
 

@@ -16,7 +16,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 from ..accept import sample_positions
-from .base import TargetView, draft_distribution, draft_tokens, output_head
+from .base import TargetView, compute_dtype, draft_distribution, draft_tokens, output_head
 from ..checkpoint import read_checkpoint, write_checkpoint
 from .chain import check_head_target
 from ..tap import text_model
@@ -441,8 +441,7 @@ class DFlashProvider:
         """Refuse a checkpoint that does not fit `model` (call at start-up), else the layers it reads; compute in the
         target's dtype."""
         taps = self.tap_layers(model)
-        e = text_model(model).model.embed_tokens
-        self.drafter.set_dtype(e.scales.dtype if "scales" in e else e.weight.dtype)
+        self.drafter.set_dtype(compute_dtype(model))
         return taps
 
     def open(

@@ -15,7 +15,7 @@ import mlx.core as mx, mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen3
 from ..checkpoint import read_checkpoint, read_config, write_checkpoint
-from .base import TargetView
+from .base import TargetView, compute_dtype
 from .chain import HeadSource, check_head_target
 from ..tap import text_model
 
@@ -314,9 +314,7 @@ class Eagle3Provider:
         """Refuse a checkpoint that does not fit `model` (call at start-up), else the layers it reads; compute in the
         target's dtype (a float16 checkpoint on a float32 target is slow on a CPU)."""
         taps = self.tap_layers(model)
-        e = text_model(model).model.embed_tokens
-        # a quantized target: its scales' dtype
-        self.drafter.set_dtype(e.scales.dtype if "scales" in e else e.weight.dtype)
+        self.drafter.set_dtype(compute_dtype(model))
         return taps
 
     def open(
