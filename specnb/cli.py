@@ -305,7 +305,9 @@ def main(argv=None):
 
             cmd_bench(args, _ranks(args, sys.stderr))
     except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"specnb: error: {e}", file=sys.stderr)
+        from specnb.checkpoint import hub_failure  # a hub failure in one line, not huggingface_hub's five
+
+        print(f"specnb: error: {hub_failure(e) or e}", file=sys.stderr)
         sys.exit(2)
     # a collective that failed: another rank died (single-process errors keep their traceback)
     except RuntimeError as e:

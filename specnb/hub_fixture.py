@@ -70,8 +70,9 @@ class LoopbackHub:
         self,
         root,  # a folder of `owner/name` folders
         cache_dir=None,  # where downloads go while it is in use (None: a temporary folder)
+        gated=(),  # repositories that answer as gated ones do to a user who has not accepted their terms
     ):
-        self.root, self.cache_dir, self.requests = Path(root), cache_dir, []
+        self.root, self.cache_dir, self.requests, self.gated = Path(root), cache_dir, [], set(gated)
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (_Handler,), {"hub": self}))
         self.url = f"http://127.0.0.1:{self.server.server_port}"
 
@@ -89,6 +90,10 @@ class LoopbackHub:
         repo, rest = "/".join(parts[2:4] if api else parts[:2]), parts[4:] if api else parts[2:]
         if len(repo.split("/")) != 2 or not (self.root / repo).is_dir():
             return self.error(404, "RepoNotFound", f"no repository {repo}")
+        if repo in self.gated:
+            return self.error(
+                403, "GatedRepo", f"Access to model {repo} is restricted and you are not in the authorized list"
+            )
         if not api and (len(rest) < 3 or rest[0] != "resolve"):
             return self.error(404, "EntryNotFound", f"no route /{path}")
         revision = rest[1] if len(rest) > 1 else "main"

@@ -73,7 +73,10 @@ def load_model(name: str | Path):
     try:
         return mlx_lm.load(str(name))
     except Exception as e:
-        raise ValueError(f"could not load {name!r}: it is not a local folder, and as a hub id it failed: {e}") from e
+        from specnb.checkpoint import hub_failure  # one line saying which failure, and what to do
+
+        why = hub_failure(e, str(name)) or f"it is not a local folder, and as a hub id it failed: {e}"
+        raise ValueError(f"could not load {name!r}: {why}") from e
 
 
 class ModelPair(NamedTuple):

@@ -75,6 +75,8 @@ def read_eagle3(cfg: dict) -> Eagle3Spec:
             raise ValueError(
                 f"EAGLE-3 checkpoint: unknown flag {odd[0]}={cfg[odd[0]]} (specnb reads {', '.join(FLAGS)})"
             )
+        if not isinstance(cfg.get("transformer_layer_config"), dict):
+            raise ValueError("EAGLE-3 checkpoint: its speculators config has no transformer_layer_config (the layer's)")
         layer = dict(cfg["transformer_layer_config"])
         return Eagle3Spec(
             "speculators",
@@ -208,12 +210,13 @@ _DROPPED = ("t2d", "verifier_", "rotary_emb.inv_freq")
 
 def empty_eagle3(cfg: dict, weights: dict) -> Eagle3:
     "The untrained drafter a checkpoint's config and tensors describe (its tapped rows read off `fc`)."
-    spec = read_eagle3(cfg)
-    n_rows, rem = divmod(weights["fc.weight"].shape[1], spec.target_hidden)
+    spec, width, q = read_eagle3(cfg), weights["fc.weight"].shape[1], cfg.get("quantization") or {}
+    if "fc.scales" in weights:  # quantized: 32 / bits weights packed in each uint32
+        width = width * 32 // (q["fc"] if isinstance(q.get("fc"), dict) else q)["bits"]
+    n_rows, rem = divmod(width, spec.target_hidden)
     if rem:
         raise ValueError(
-            f"EAGLE-3 checkpoint: fc.weight is {weights['fc.weight'].shape[1]} wide, not a multiple of "
-            f"target_hidden_size {spec.target_hidden}"
+            f"EAGLE-3 checkpoint: fc.weight is {width} wide, not a multiple of target_hidden_size {spec.target_hidden}"
         )
     return Eagle3(spec, n_rows, embed="embed_tokens.weight" in weights)
 

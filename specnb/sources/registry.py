@@ -93,7 +93,10 @@ def _published(module: str, cls: str, what: str, where: str = "--draft-model (a 
 
 _eagle3 = _published("eagle3", "Eagle3Provider", "a published EAGLE-3 checkpoint")
 _mtp = _published(
-    "mtp", "MtpProvider", "the MTP layers in the target's original checkpoint", "--model (or --draft-model)"
+    "mtp",
+    "MtpProvider",
+    "MTP layers: a split MTP drafter, or a target checkpoint that kept them",
+    "--draft-model (or, holding them, --model)",
 )
 _assistant = _published("assistant", "AssistantProvider", "a published Gemma 4 assistant checkpoint")
 # p_min: the block is cut before its first unsure position
@@ -193,12 +196,13 @@ def make_provider(
 
 # %% ../../nbs/05l_registry.ipynb #adc7df6c
 def published_kind(path) -> str | None:
-    """The kind of the published drafter checkpoint at `path` (a folder or hub id) — `eagle3`, `assistant` or `dflash` —
-    or None (an mlx-lm draft model, or nothing readable)."""
+    """The kind of the published drafter checkpoint at `path` (a folder or hub id) — `eagle3`, `assistant`, `dflash` or
+    `mtp` — or None (an mlx-lm draft model, or nothing readable)."""
     from specnb.checkpoint import read_config
     from specnb.sources.eagle3 import is_eagle3
     from specnb.sources.assistant import MODEL_TYPE
     from specnb.sources.dflash import is_dflash
+    from specnb.sources.mtp import SPLIT_MTP
 
     try:
         cfg = read_config(path)
@@ -206,6 +210,8 @@ def published_kind(path) -> str | None:
         return None  # not here or not reachable: the loader says why
     if is_dflash(cfg):
         return "dflash"  # before EAGLE-3: a DFlash config is a Qwen3 one with its own fields
+    if (cfg or {}).get("model_type") in SPLIT_MTP:
+        return "mtp"  # a target's MTP layers, split out into a drafter of their own
     return "eagle3" if is_eagle3(cfg) else "assistant" if (cfg or {}).get("model_type") == MODEL_TYPE else None
 
 
@@ -216,6 +222,10 @@ def draft_kind(model, draft_model, kind=None, draft_head=None, lookup_first: boo
         kind = "head"
     elif kind is None and draft_model:
         kind = published_kind(draft_model) or "two-model"  # its config says which
+        if kind == "two-model" and str(draft_model) == str(model):
+            from specnb.sources.mtp import holds_mtp
+
+            kind = "mtp" if holds_mtp(model) else kind  # the target drafting for itself: with the MTP layers it kept
     elif kind is None:
         kind = "ngram" if model else "two-model"  # a target of one's own: lookup works with any
     find_kind(kind)
