@@ -29,13 +29,15 @@ class _Recorder:
         return type(self.layer)
 
     def __call__(self, *args, **kwargs):
-        h = self.layer(*args, **kwargs)
+        out = self.layer(*args, **kwargs)
+        # Gemma 4's layers return (hidden state, shared K/V, offset): the hidden state comes first
+        h = out[0] if isinstance(out, tuple) and out and isinstance(out[0], mx.array) else out
         if not isinstance(h, mx.array):
             raise TypeError(
                 f"layer {self.index} returned {type(h).__name__}, not an array: this model's layers cannot be tapped"
             )
         self.recorded.append(h)
-        return h
+        return out
 
 
 def text_model(model):

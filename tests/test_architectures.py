@@ -61,8 +61,9 @@ EARLY_EXIT = {
     "gear",
     "olmo_hybrid",
 }
-# and EAGLE-3, DFlash (nbs/05m_eagle3.ipynb, 05q_dflash.ipynb)
+# and EAGLE-3, DFlash (nbs/05m_eagle3.ipynb, 05q_dflash.ipynb); Gemma 4's layers return a tuple, led by the hidden state
 HEAD = {
+    "gemma4_text",
     "llama",
     "qwen3",
     "gemma3_text",
