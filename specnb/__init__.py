@@ -32,6 +32,7 @@ _LAZY = {
     **dict.fromkeys(["MtpProvider", "load_mtp"], "sources.mtp"),
     **dict.fromkeys(["AssistantProvider", "load_assistant"], "sources.assistant"),
     **dict.fromkeys(["DFlashProvider", "load_dflash"], "sources.dflash"),
+    **dict.fromkeys(["DSparkProvider", "load_dspark"], "sources.dspark"),
     "Tap": "tap",
 }
 __all__ = ["models", "grammar", *_LAZY]

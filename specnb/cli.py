@@ -59,7 +59,9 @@ def _model_args(p):
         "--draft-p-min",
         type=float,
         default=None,
-        help="two-model, dflash: stop drafting (dflash: cut the block) where the draft's top probability is below this",
+        help="two-model, dflash: stop drafting (dflash: cut the block) where the draft's top probability is below "
+        "this; "
+        "dspark: cut the block where its confidence head's running chance that every draft is kept falls below it",
     )
     p.add_argument(
         "--acceptance",

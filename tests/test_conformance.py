@@ -13,6 +13,7 @@ from specnb.sources.eagle3 import random_eagle3
 from specnb.sources.mtp import random_mtp_checkpoint, tiny_mtp_target
 from specnb.sources.assistant import random_assistant, tiny_gemma4
 from specnb.sources.dflash import random_dflash
+from specnb.sources.dspark import random_dspark
 from specnb.sources.registry import KINDS, make_provider
 
 TARGET = random_model(0, scale=4)
@@ -24,6 +25,7 @@ CHECKPOINTS = {
     "mtp": random_mtp_checkpoint(MTP_TARGET, tempfile.mkdtemp()),
     "assistant": random_assistant(GEMMA4, tempfile.mkdtemp()),
     "dflash": random_dflash(TARGET, [0, 1], block_size=4),
+    "dspark": random_dspark(TARGET, [0, 1], block_size=4),
 }  # published drafters, each for a target it fits
 TARGETS = {"mtp": MTP_TARGET, "assistant": GEMMA4}
 

@@ -101,6 +101,8 @@ _mtp = _published(
 _assistant = _published("assistant", "AssistantProvider", "a published Gemma 4 assistant checkpoint")
 # p_min: the block is cut before its first unsure position
 _dflash = _published("dflash", "DFlashProvider", "a published DFlash checkpoint", draft_p_min="p_min")
+# p_min: the block is cut where the confidence head's running chance of acceptance falls below it
+_dspark = _published("dspark", "DSparkProvider", "a published DSpark checkpoint", draft_p_min="p_min")
 
 
 def behind_lookup(kind: DraftKind) -> DraftKind:
@@ -129,6 +131,7 @@ _MODEL_KINDS = [
     DraftKind("mtp", _mtp, ("draft_model",), reads_layers=True, in_target=True),
     DraftKind("assistant", _assistant, ("draft_model",), reads_layers=True),
     DraftKind("dflash", _dflash, ("draft_model", "draft_p_min"), reads_layers=True),
+    DraftKind("dspark", _dspark, ("draft_model", "draft_p_min"), reads_layers=True),
 ]
 KINDS = {
     k.name: k
@@ -196,18 +199,21 @@ def make_provider(
 
 # %% ../../nbs/05l_registry.ipynb #adc7df6c
 def published_kind(path) -> str | None:
-    """The kind of the published drafter checkpoint at `path` (a folder or hub id) — `eagle3`, `assistant`, `dflash` or
-    `mtp` — or None (an mlx-lm draft model, or nothing readable)."""
+    """The kind of the published drafter checkpoint at `path` (a folder or hub id) — `eagle3`, `assistant`, `dflash`,
+    `dspark` or `mtp` — or None (an mlx-lm draft model, or nothing readable)."""
     from specnb.checkpoint import read_config
     from specnb.sources.eagle3 import is_eagle3
     from specnb.sources.assistant import MODEL_TYPE
     from specnb.sources.dflash import is_dflash
+    from specnb.sources.dspark import is_dspark
     from specnb.sources.mtp import SPLIT_MTP
 
     try:
         cfg = read_config(path)
     except (OSError, ValueError):
         return None  # not here or not reachable: the loader says why
+    if is_dspark(cfg):
+        return "dspark"  # before DFlash: a DSpark config is a DFlash one with a Markov step and a confidence head
     if is_dflash(cfg):
         return "dflash"  # before EAGLE-3: a DFlash config is a Qwen3 one with its own fields
     if (cfg or {}).get("model_type") in SPLIT_MTP:
@@ -253,14 +259,16 @@ def drafting_options(args) -> dict:
 
 
 def default_draft_tokens(kind: str, draft_model=None) -> int:
-    """γ when `--num-draft-tokens` is not given: 3, or a DFlash checkpoint's whole block (`block_size - 1` drafts per
-    forward)."""
-    if kind.split("+")[0] != "dflash" or draft_model is None:
+    """γ when `--num-draft-tokens` is not given: 3, or a DFlash or DSpark checkpoint's whole block (`block_size - 1`
+    drafts per forward)."""
+    if kind.split("+")[0] not in ("dflash", "dspark") or draft_model is None:
         return 3
     from specnb.checkpoint import read_config
     from specnb.sources.dflash import read_dflash
+    from specnb.sources.dspark import read_dspark
 
-    return read_dflash(read_config(draft_model) or {}).block_size - 1
+    cfg = read_config(draft_model) or {}
+    return (read_dspark(cfg)[0] if kind.startswith("dspark") else read_dflash(cfg)).block_size - 1
 
 
 def check_drafting(kind: str, options: dict, adaptive: bool = False):
