@@ -15,11 +15,11 @@ from pathlib import Path
 import mlx.core as mx, mlx.nn as nn
 from mlx_lm.models import gemma4_text
 from mlx_lm.models.cache import KVCache
-from ..checkpoint import read_checkpoint, write_checkpoint
+from ..checkpoint import read_checkpoint, read_config, write_checkpoint
 from ..caches.window import SpecRotatingKVCache
 from ..caches.ragged import RowCache
 from ..tap import arch_name, text_model
-from .base import TargetView, draft_distribution, draft_tokens
+from .base import TargetView, compute_dtype, draft_distribution, draft_tokens
 
 # %% ../../nbs/05p_assistant.ipynb #ccc6d247
 MODEL_TYPE = "gemma4_assistant"
@@ -117,9 +117,9 @@ class Assistant(nn.Module):
 
 # %% ../../nbs/05p_assistant.ipynb #60cc2287
 def load_assistant(path) -> Assistant:
-    "The Gemma 4 assistant in the folder `path` (`config.json`, `*.safetensors`), in float32."
-    path = Path(path)
-    if not (path / "config.json").is_file():
+    """The Gemma 4 assistant in the folder or hub repository `path` (`config.json`, `*.safetensors`), in the
+    checkpoint's dtype (its provider computes in the target's)."""
+    if read_config(path) is None:
         raise ValueError(f"no Gemma 4 assistant at {path}: expected config.json and model.safetensors")
 
     def empty(cfg, weights):
@@ -127,10 +127,7 @@ def load_assistant(path) -> Assistant:
             weights.pop("lm_head.weight", None)  # a copy of the embedding, never read
         return Assistant(cfg)
 
-    d = read_checkpoint(path, empty)  # token_ordering back to int32
-    d.set_dtype(mx.float32)
-    mx.eval(d.parameters())
-    return d
+    return read_checkpoint(path, empty)  # token_ordering back to int32
 
 
 def is_assistant(path) -> bool:
@@ -432,12 +429,14 @@ class AssistantProvider:
     """Drafting with a published Gemma 4 assistant on a `gemma4_text` target's own K/V and final hidden; each request
     gets an `AssistantSource`."""
 
-    def __init__(self, assistant: Assistant | str | Path):  # an `Assistant`, or a folder holding a checkpoint
+    # an `Assistant`, or a folder or hub id holding a checkpoint
+    def __init__(self, assistant: Assistant | str | Path):
         self.assistant = assistant if isinstance(assistant, Assistant) else load_assistant(assistant)
 
     def check(self, model):
-        "Raise `ValueError` unless the assistant fits `model` (call at start-up)."
+        "Raise `ValueError` unless the assistant fits `model` (call at start-up); compute in the target's dtype."
         check_assistant_target(self.assistant, model)
+        self.assistant.set_dtype(compute_dtype(model))
 
     def open(
         self,
