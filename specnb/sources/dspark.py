@@ -6,17 +6,17 @@ Docs: https://specnb.github.io/specnb/dspark.html.md"""
 
 # %% auto #0
 __all__ = ['DSPARK_TYPES', 'DSPARK_NOT_READ', 'DSparkSpec', 'is_dspark', 'read_dspark', 'DSpark', 'load_dspark', 'DSparkSource',
-           'DSparkProvider', 'random_dspark']
+           'DSparkProvider', 'dspark_config', 'save_dspark', 'random_dspark']
 
 # %% ../../nbs/05qa_dspark.ipynb #1fa2a2cc
 from dataclasses import dataclass
 from pathlib import Path
 import mlx.core as mx, mlx.nn as nn
 from mlx.utils import tree_map
-from ..checkpoint import read_checkpoint
+from ..checkpoint import read_checkpoint, write_checkpoint
 from .base import TargetView
 from .base import draft_tokens
-from .dflash import DFlash, DFlashProvider, DFlashSource, read_dflash
+from .dflash import DFlash, DFlashProvider, DFlashSource, dflash_config, read_dflash
 
 # %% ../../nbs/05qa_dspark.ipynb #1f9820de
 # DSpark's layouts: those read, and those refused by name (their own embedding and head, or split from `mtp.*`)
@@ -158,6 +158,20 @@ class DSparkProvider(DFlashProvider):
         if target is None:
             raise ValueError("the DSpark source reads the target: open it with target=TargetView(model, cache)")
         return DSparkSource(self.drafter, target, sampler, grammar, self.check(target.model), self.p_min, self.context)
+
+# %% ../../nbs/05qa_dspark.ipynb #14a6b470
+def dspark_config(d: DSpark) -> dict:
+    "`d`'s `config.json`: its backbone's in z-lab's layout, with DSpark's fields (`block_size` counting the proposals)."
+    cfg, gamma = dflash_config(d.spec), d.spec.block_size - 1
+    dc = cfg["dflash_config"] | dict(block_size=gamma, projector_type="dspark", markov_rank=d.ds.rank)
+    dc |= dict(enable_confidence_head=d.ds.confidence, confidence_head_with_markov=d.ds.confidence_reads_markov)
+    dc |= dict(sample_from_anchor=d.ds.from_anchor)
+    return cfg | dict(model_type="dspark", architectures=["DSparkDraftModel"], block_size=gamma, dflash_config=dc)
+
+
+def save_dspark(d: DSpark, path, dtype=mx.bfloat16):
+    "Write `d` into the folder `path` in DSpark's layout (floating weights cast to `dtype`)."
+    write_checkpoint(path, dspark_config(d), d, dtype)
 
 # %% ../../nbs/05qa_dspark.ipynb #83c002c2
 def random_dspark(
