@@ -116,3 +116,16 @@ def test_the_protocol_declares_exactly_what_the_executor_passes():
         for p in list(inspect.signature(f).parameters)[1:]
     }
     assert declared - used == set(), f"declared but never passed by the executor: {sorted(declared - used)}"
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_block_drafters_in_batched_rounds(kind):
+    """DFlash and DSpark sources draft per request inside batched rounds (their target forwards batched): every
+    request's output is its plain greedy decoding, and each drafted."""
+    from specnb.batching.rounds import spec_generate_batch
+    from specnb.executor import generate
+
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
+    results = spec_generate_batch(TARGET, shipped(kind), prompts, max_tokens=16)
+    assert [r.tokens for r in results] == [generate(TARGET, p, max_tokens=16).tokens for p in prompts]
+    assert all(r.stats.drafted > 0 for r in results)
