@@ -12,6 +12,7 @@ from specnb.tap import text_model
 from specnb.sources.chain import random_head
 from specnb.sources.eagle3 import random_eagle3
 from specnb.sources.dflash import random_dflash
+from specnb.sources.dspark import random_dspark
 from specnb.sources.registry import KINDS, make_provider
 
 SLIDING = {  # each architecture's own keys, on top of the shared tiny shape (as in nbs/04a_sliding_window.ipynb)
@@ -87,7 +88,7 @@ _models = {}
 
 def models(arch: str, window: int):
     """A random `arch` target (its window `window` where it slides), a perturbed copy of it as the draft, and a random
-    head, EAGLE-3 and DFlash drafter for it."""
+    head, EAGLE-3, DFlash and DSpark drafter for it."""
     key = (arch, window if windowed(arch) else None)
     if key not in _models:
         if arch in HYBRID:
@@ -113,7 +114,8 @@ def models(arch: str, window: int):
         # hidden_states 1 and 2: the outputs of layers 0 and 1
         eagle = random_eagle3(m, [1, 2]) if arch in HEAD else None
         dflash = random_dflash(m, [0, 1], block_size=16) if arch in HEAD else None
-        _models[key] = m, perturbed(m, 0.05), head, eagle, dflash
+        dspark = random_dspark(m, [0, 1], block_size=8) if arch in HEAD else None
+        _models[key] = m, perturbed(m, 0.05), head, eagle, {"dflash": dflash, "dspark": dspark}
     return _models[key]
 
 
@@ -123,7 +125,7 @@ def sources(arch: str) -> list:
     if arch in EARLY_EXIT:
         out += ["early-exit", "early-exit+lookup"]
     if arch in HEAD:
-        out += ["head", "head+lookup", "eagle3", "dflash"]
+        out += ["head", "head+lookup", "eagle3", "dflash", "dspark"]
     return out
 
 
@@ -135,7 +137,7 @@ def prompt_for(rng: random.Random, window: int) -> list:
 
 def check_case(arch, source, window, gamma, step, prompt, max_tokens=24):
     "One gate case: `source` on `arch` equals plain greedy decoding, never falls back, and runs rounds."
-    target, draft, head, eagle, dflash = models(arch, window)
+    target, draft, head, eagle, blocks = models(arch, window)
     plain = generate(target, prompt, max_tokens=max_tokens, prefill_step_size=step).tokens
     prov = make_provider(
         source,
@@ -143,7 +145,7 @@ def check_case(arch, source, window, gamma, step, prompt, max_tokens=24):
         target=target,
         num_draft_tokens=gamma,
         **KINDS[source].pick(
-            exit_layer=1, draft_head=head, draft_model=dflash if source == "dflash" else eagle, ngram_min=1, ngram_max=3
+            exit_layer=1, draft_head=head, draft_model=blocks.get(source, eagle), ngram_min=1, ngram_max=3
         ),
     )
     r = spec_generate(target, prov, prompt, num_draft_tokens=gamma, max_tokens=max_tokens, prefill_step_size=step)
@@ -169,13 +171,16 @@ def test_architecture(arch, request):
 
 @pytest.mark.parametrize("arch", sorted(set(ARCHS) - (EARLY_EXIT & HEAD)))
 def test_refusals(arch):
-    """Early exit, the head, EAGLE-3 and DFlash (alone or behind prompt lookup) refuse, at `check`, a target whose
-    layers they cannot read, naming its architecture."""
+    """Early exit, the head, EAGLE-3, DFlash and DSpark (alone or behind prompt lookup) refuse, at `check`, a target
+    whose layers they cannot read, naming its architecture."""
     target, llama = models(arch, 8)[0], models("llama", 8)[0]
     head, eagle = random_head(llama, [0, 1], hidden_size=32), random_eagle3(llama, [1, 2])
     sized = target if hasattr(text_model(target), "args") else llama  # PLaMo 2 keeps `config`
     # sized for the target: refused for how its layers are built, not for its sizes
-    dflash = random_dflash(sized, [0, 1], block_size=8)
+    blocks = {
+        "dflash": random_dflash(sized, [0, 1], block_size=8),
+        "dspark": random_dspark(sized, [0, 1], block_size=8),
+    }
     kinds = [
         k
         for k, ok in (
@@ -183,6 +188,7 @@ def test_refusals(arch):
             ("head", arch in HEAD),
             ("eagle3", arch in HEAD),
             ("dflash", arch in HEAD),
+            ("dspark", arch in HEAD),
         )
         if not ok
     ]
@@ -191,9 +197,7 @@ def test_refusals(arch):
             make_provider(
                 kind,
                 target=target,
-                **KINDS[kind].pick(
-                    exit_layer=1, draft_head=head, draft_model=dflash if kind.startswith("dflash") else eagle
-                ),
+                **KINDS[kind].pick(exit_layer=1, draft_head=head, draft_model=blocks.get(kind.split("+")[0], eagle)),
             )
 
 
