@@ -412,6 +412,8 @@ class DFlashSource:
 class DFlashProvider:
     "Drafting with a published DFlash checkpoint on the target's hidden states; each request gets a `DFlashSource`."
 
+    source, name = DFlashSource, "DFlash"  # the per-request source a subclass's requests get (DSpark's)
+
     def __init__(
         self,
         drafter: DFlash | str | Path,  # a loaded drafter, or a folder or hub id holding one
@@ -458,5 +460,5 @@ class DFlashProvider:
         grammar=None,
     ) -> DFlashSource:
         if target is None:
-            raise ValueError("the DFlash source reads the target: open it with target=TargetView(model, cache)")
-        return DFlashSource(self.drafter, target, sampler, grammar, self.check(target.model), self.p_min, self.context)
+            raise ValueError(f"the {self.name} source reads the target: open it with target=TargetView(model, cache)")
+        return self.source(self.drafter, target, sampler, grammar, self.check(target.model), self.p_min, self.context)

@@ -144,20 +144,10 @@ class DSparkSource(DFlashSource):
 class DSparkProvider(DFlashProvider):
     "Drafting with a published DSpark checkpoint on the target's hidden states; each request gets a `DSparkSource`."
 
+    source, name = DSparkSource, "DSpark"  # DFlash's provider otherwise: its `check` and `open`
+
     def __init__(self, drafter: DSpark | str | Path, p_min: float | None = None, context: int | None = None):
         super().__init__(drafter if isinstance(drafter, DSpark) else load_dspark(drafter), p_min, context)
-
-    def open(
-        self,
-        sampler=None,
-        logits_processors=None,
-        target: TargetView | None = None,
-        prefill_step_size=2048,
-        grammar=None,
-    ) -> DSparkSource:
-        if target is None:
-            raise ValueError("the DSpark source reads the target: open it with target=TargetView(model, cache)")
-        return DSparkSource(self.drafter, target, sampler, grammar, self.check(target.model), self.p_min, self.context)
 
 # %% ../../nbs/05qa_dspark.ipynb #14a6b470
 def dspark_config(d: DSpark) -> dict:

@@ -371,7 +371,7 @@ def mtp_quantization(cfg: dict, prefix: str) -> dict:
 
 def holds_mtp(path) -> bool:
     "Does the checkpoint at `path` hold MTP layers: a split MTP drafter, or a target checkpoint that kept them?"
-    if ((cfg := read_config(path)) or {}).get("model_type") in SPLIT_MTP:
+    if (read_config(path) or {}).get("model_type") in SPLIT_MTP:
         return True
     try:
         return any(k.startswith("mtp.") or ".eh_proj." in k for k in checkpoint_keys(path))

@@ -156,11 +156,11 @@ def draw_anchors(rng, n: int, A: int, lo: int, hi: int) -> mx.array:
     )
 
 
-def eval_dflash(drafter: DFlash, target, held: tuple, gamma: float = GAMMA) -> dict:
+def eval_dflash(drafter: DFlash, target, held: tuple, gamma: float = GAMMA, losses=None) -> dict:
     """Held-out figures over `held` = (x, f, y, anchors): the weighted loss, the accuracy per block position, the mean
-    accepted length."""
+    accepted length; `losses`: the objective, `block_losses`' signature (None: `block_losses`)."""
     x, f, y, anchors = held
-    loss, hits = block_losses(drafter, target, f, x, y, anchors, gamma)
+    loss, hits = (losses or block_losses)(drafter, target, f, x, y, anchors, gamma)
     return dict(
         loss=round(loss.item(), 4),
         acc=[round(a, 4) for a in hits.astype(mx.float32).mean((0, 1)).tolist()],
@@ -181,9 +181,11 @@ def train_dflash(
     seed: int = 0,
     eval_every: int = 100,
     log=print,
+    losses=None,  # the objective, `block_losses`' signature (None: `block_losses`; DSpark's: `dspark_losses`)
 ) -> list:
     """Train `drafter` with the block objective on `target`'s features and greedy tokens for `steps` steps; returns the
     evaluation history."""
+    losses = losses or block_losses
     mx.random.seed(seed)
     rng, B, N = np.random.default_rng(seed), drafter.spec.block_size, data["train"]["x"].shape[1]
     lo, hi = prompt, N - B  # anchors inside the target's continuation; every label inside the sequence
@@ -200,10 +202,10 @@ def train_dflash(
 
     return fit(
         drafter,
-        lambda d, x, f, y, a: block_losses(d, target, f, x, y, a, gamma)[0],
+        lambda d, x, f, y, a: losses(d, target, f, x, y, a, gamma)[0],
         (draw() for _ in range(steps)),
         steps,
-        lambda d: eval_dflash(d, target, held, gamma),
+        lambda d: eval_dflash(d, target, held, gamma, losses),
         peak_lr,
         eval_every=eval_every,
         seen=lambda step: {"blocks": step * batch * anchors},

@@ -9,13 +9,11 @@ __all__ = ['dspark_from_dflash', 'dspark_losses', 'eval_dspark', 'train_dspark']
 
 # %% ../../nbs/05rb_train_dspark.ipynb #380848a9
 import mlx.core as mx, mlx.nn as nn
-import numpy as np
 from ..sources.base import output_head
 from ..sources.dflash import DFlash
 from ..sources.dspark import DSpark, DSparkSpec
 from ..tap import text_model
-from .dflash import GAMMA, block_hidden, decay, draw_anchors, accepted
-from .head import fit
+from .dflash import GAMMA, block_hidden, decay, eval_dflash, train_dflash
 
 # %% ../../nbs/05rb_train_dspark.ipynb #0d6068b2
 def dspark_from_dflash(dflash: DFlash, rank: int = 32, confidence: bool = True, seed: int = 0) -> DSpark:
@@ -53,51 +51,12 @@ def dspark_losses(d: DSpark, target, feats, x, y, anchors, gamma: float = GAMMA,
 
 
 def eval_dspark(d: DSpark, target, held: tuple, gamma: float = GAMMA) -> dict:
-    """Held-out figures over `held` = (x, f, y, anchors): the loss, the accuracy per block position, the mean accepted
-    length under greedy verification, and the confidence head's mean probability where it is right and where not."""
-    x, f, y, anchors = held
-    loss, hits = dspark_losses(d, target, f, x, y, anchors, gamma)
-    out = dict(loss=round(loss.item(), 4), acc=[round(a, 4) for a in hits.astype(mx.float32).mean((0, 1)).tolist()])
-    out["accepted"] = round(accepted(hits).astype(mx.float32).mean().item(), 3)
-    return out
+    """05r's held-out figures over `held` = (x, f, y, anchors) on `dspark_losses`: the loss, the accuracy per block
+    position, the mean accepted length under greedy verification."""
+    return eval_dflash(d, target, held, gamma, dspark_losses)
 
 
-def train_dspark(
-    target,  # the frozen target (an mlx-lm model)
-    d: DSpark,  # the drafter to train (`dspark_from_dflash`), in place
-    data: dict,  # {"train": …, "heldout": …}: `dflash_data`'s arrays
-    steps: int,
-    peak_lr: float = 5e-4,
-    batch: int = 8,
-    anchors: int = 16,  # blocks per sequence and step
-    gamma: float = GAMMA,
-    prompt: int = 64,  # anchors start after the prompt: inside the target's own continuation
-    seed: int = 0,
-    eval_every: int = 100,
-    log=print,
-) -> list:
-    "Train `d` on `target`'s features and greedy tokens for `steps` steps (05r's data and schedule); the history."
-    rng, B, N = np.random.default_rng(seed), d.spec.block_size, data["train"]["x"].shape[1]
-    as_mx = lambda s, i: (mx.array(s["x"][i]), mx.array(s["f"][i]).astype(mx.float32), mx.array(s["y"][i]))
-    hd = data["heldout"]
-    held = (
-        *as_mx(hd, np.arange(len(hd["x"]))),
-        draw_anchors(np.random.default_rng(1234), len(hd["x"]), anchors, prompt, N - B),
-    )
-
-    def draw():
-        x, f, y = as_mx(data["train"], np.sort(rng.choice(len(data["train"]["x"]), batch, replace=False)))
-        return x, f, y, draw_anchors(rng, batch, anchors, prompt, N - B)
-
-    return fit(
-        d,
-        lambda m, x, f, y, a: dspark_losses(m, target, f, x, y, a, gamma)[0],
-        (draw() for _ in range(steps)),
-        steps,
-        lambda m: eval_dspark(m, target, held, gamma),
-        peak_lr,
-        eval_every=eval_every,
-        seen=lambda step: {"blocks": step * batch * anchors},
-        train_loss=True,
-        log=log,
-    )
+def train_dspark(target, d: DSpark, data: dict, steps: int, peak_lr: float = 5e-4, **kw) -> list:
+    """Train `d` (`dspark_from_dflash`) on `target`'s features and greedy tokens for `steps` steps: 05r's `train_dflash`
+    (its data, schedule and options `kw`) on `dspark_losses`; the history."""
+    return train_dflash(target, d, data, steps, peak_lr, losses=dspark_losses, **kw)

@@ -65,8 +65,7 @@ def load_run(folder, target) -> tuple:
     float32."""
     folder = Path(folder)
     drafter = borrow_embedding(load_eagle3(folder), target)
-    drafter.set_dtype(mx.float32)
-    drafter.embed_tokens.freeze()
+    drafter.set_dtype(mx.float32)  # the embedding stays frozen, as `borrow_embedding` left it
     if "d2t" in drafter:
         drafter.freeze(recurse=False, keys=["d2t"])
     state = {
