@@ -117,6 +117,7 @@ def long_run(
     heldout: int = 16,  # held-out windows scored at each row of the curve
     dtype=mx.float16,  # of the checkpoint (float32 to resume bit for bit)
     seed: int = 0,
+    new_corpus: bool = False,  # resuming on a corpus of another size: go on, and record the change in `training.json`
     log=print,
 ) -> dict:
     """Train an EAGLE-3 drafter for `steps` steps over as many sessions as it takes: every batch fresh windows of the
@@ -133,8 +134,12 @@ def long_run(
         opt.init(drafter.trainable_parameters())
         recipe = dict(steps=steps, batch=batch, seq=seq, unroll=unroll, peak_lr=peak_lr, warmup=warmup, seed=seed)
         run = dict(step=0, wall_s=0.0, recipe=recipe, corpus={k: len(v) for k, v in data.items()}, history=[])
-    if run["corpus"] != {k: len(v) for k, v in data.items()}:
-        raise ValueError(f"{folder}: the run was started on a corpus of {run['corpus']} tokens, not this one")
+    sizes = {k: len(v) for k, v in data.items()}
+    if run["corpus"] != sizes and not new_corpus:
+        raise ValueError(f"{folder}: the run was started on a corpus of {run['corpus']} tokens, not this one ({sizes})")
+    if run["corpus"] != sizes:
+        run.setdefault("corpus_changes", []).append(dict(step=run["step"], was=run["corpus"], now=sizes))
+        run["corpus"] = sizes
     tap, ids = Tap(target, Eagle3Provider(drafter).tap_layers(target)), draft_ids(drafter)
     held_x = windows(data["heldout"], heldout, np.random.default_rng(1234), seq + unroll)
     held = (held_x, *draft_labels(target, tap, held_x, ids))
@@ -241,12 +246,22 @@ def main(argv=None):
     p.add_argument("--vocab-from", help="a head folder whose draft vocabulary to use (default: frequent tokens)")
     p.add_argument("--checkpoint-minutes", type=float, default=10)
     p.add_argument("--eval-every", type=int, default=64)
+    p.add_argument("--new-corpus", action="store_true", help="resume on this machine's corpus though its size differs")
     args = p.parse_args(argv)
     fn, eos = TARGETS[args.target]
     path = getattr(models, fn)()
     target, _ = mlx_lm.load(str(path))
     target.freeze()
-    data = prose_and_code(Tokenizer.from_file(str(path / "tokenizer.json")), eos)
+    # the run's corpus travels with it: the prose part reads the installed packages' descriptions, which differ
+    # from one environment to the next
+    kept = Path(args.folder) / "resume" / "corpus.npz"
+    if kept.exists():
+        with np.load(kept) as z:
+            data = {s: z[s] for s in ("train", "heldout")}
+    else:
+        data = prose_and_code(Tokenizer.from_file(str(path / "tokenizer.json")), eos)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(kept, **data)
     fresh = not (Path(args.folder) / "training.json").exists()
     drafter = new_drafter(target, data, vocab_from=args.vocab_from) if fresh else None
     until = time.time() + args.hours * 3600 if args.hours else None
@@ -261,6 +276,7 @@ def main(argv=None):
         log=log,
         checkpoint_s=args.checkpoint_minutes * 60,
         eval_every=args.eval_every,
+        new_corpus=args.new_corpus,
     )
     print(f"{args.folder}: step {run['step']} of {run['recipe']['steps']}, {run['wall_s'] / 3600:.2f} h of training")
 
