@@ -53,7 +53,13 @@ def _model_args(p):
         help="draft by prompt lookup where the last tokens occurred before, by the model elsewhere",
     )
     p.add_argument(
-        "--adaptive", action="store_true", help="adapt the draft length per round (up to --num-draft-tokens)"
+        "--adaptive",
+        nargs="?",
+        const="step",
+        default=None,
+        choices=("step", "history"),  # specnb.sources.adaptive.POLICIES, named here so that --help loads no MLX
+        help="adapt the draft length per round, up to --num-draft-tokens: step (+2 after a round that kept every "
+        "draft, -1 otherwise; the default) or history (mlx-vlm's policy from the last 8 rounds' acceptance)",
     )
     p.add_argument(
         "--draft-p-min",

@@ -177,8 +177,8 @@ def make_provider(
     draft=None,  # the draft model, for a kind that drafts with one (`needs_draft`)
     *,
     target=None,  # the target: check now that the provider can serve it
-    adaptive: bool = False,  # adapt the draft length per round, up to the executor's num_draft_tokens
-    num_draft_tokens: int = 3,  # γ, for `adaptive`'s starting length
+    adaptive: str | bool | None = None,  # a draft-length policy (`AdaptiveProvider`'s; True: "step"), or none
+    num_draft_tokens: int = 3,  # γ: the ceiling, where "step" starts at 3 at most and "history" at the ceiling
     **options,  # keys of OPTIONS (None: the provider's default)
 ):
     "The provider for draft kind `kind`: an option it would ignore is a `ValueError`."
@@ -195,7 +195,10 @@ def make_provider(
         raise ValueError(f"--adaptive adapts the length of a draft; {kind} drafts nothing")
     from specnb.sources.adaptive import AdaptiveProvider
 
-    return AdaptiveProvider(provider, start=min(3, num_draft_tokens))
+    policy = "step" if adaptive is True else adaptive
+    return AdaptiveProvider(
+        provider, start=num_draft_tokens if policy == "history" else min(3, num_draft_tokens), policy=policy
+    )
 
 # %% ../../nbs/05l_registry.ipynb #adc7df6c
 def published_kind(path) -> str | None:
@@ -203,7 +206,7 @@ def published_kind(path) -> str | None:
     `dspark` or `mtp` — or None (an mlx-lm draft model, or nothing readable)."""
     from specnb.checkpoint import read_config
     from specnb.sources.eagle3 import is_eagle3
-    from specnb.sources.assistant import MODEL_TYPE
+    from specnb.sources.assistant import MODEL_TYPES
     from specnb.sources.dflash import is_dflash
     from specnb.sources.dspark import is_dspark
     from specnb.sources.mtp import SPLIT_MTP
@@ -218,7 +221,7 @@ def published_kind(path) -> str | None:
         return "dflash"  # before EAGLE-3: a DFlash config is a Qwen3 one with its own fields
     if (cfg or {}).get("model_type") in SPLIT_MTP:
         return "mtp"  # a target's MTP layers, split out into a drafter of their own
-    return "eagle3" if is_eagle3(cfg) else "assistant" if (cfg or {}).get("model_type") == MODEL_TYPE else None
+    return "eagle3" if is_eagle3(cfg) else "assistant" if (cfg or {}).get("model_type") in MODEL_TYPES else None
 
 
 # drafter model types mlx-vlm reads that specnb does not yet: refused by name, not loaded as a draft model and failing
@@ -227,7 +230,6 @@ NOT_READ = (
     "laguna",
     "laguna_dflash",
     "muse_glimmer_assistant",
-    "gemma4_unified_assistant",
     "gemma4_dspark",
     "deepseek_v4_dspark",
     "nemotron_h_mtp",
@@ -307,7 +309,7 @@ def default_draft_tokens(kind: str, draft_model=None) -> int:
     return (read_dspark(cfg)[0] if kind.startswith("dspark") else read_dflash(cfg)).block_size - 1
 
 
-def check_drafting(kind: str, options: dict, adaptive: bool = False):
+def check_drafting(kind: str, options: dict, adaptive: str | bool | None = None):
     "Refuse, before any model loads, an option `kind` would ignore or a value its provider refuses."
     refuse_unread([kind], options)
     # a published drafter's checkpoint is read once, by load_drafting
