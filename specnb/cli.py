@@ -124,6 +124,22 @@ def _parser():
         action="store_true",
         help="print only the completion, not the prompt before it (dimmed on a terminal)",
     )
+    c = sub.add_parser(
+        "convert", help="write a quantized copy of a drafter, or of an mlx-lm draft model (see specnb.convert)"
+    )
+    c.add_argument(
+        "source", help="the drafter (EAGLE-3, DFlash, DSpark, Gemma 4 assistant) or mlx-lm model: folder or hub id"
+    )
+    c.add_argument("out", help="the folder to write")
+    c.add_argument("--q-mode", default="affine", choices=("affine", "mxfp4", "mxfp8", "nvfp4"), help="(default affine)")
+    c.add_argument("--q-bits", type=int, default=None, help="bits per weight (default: the mode's; affine 4)")
+    c.add_argument("--q-group-size", type=int, default=None, help="weights per scale (default: the mode's; affine 64)")
+    c.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float16", "bfloat16", "float32"),
+        help="of the floating tensors (default: kept)",
+    )
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (see specnb.serve)")
     _model_args(s)
     ServeOptions.add_arguments(s)  # --host … --log-level: each default and help line once (specnb.serve_options)
@@ -308,6 +324,10 @@ def main(argv=None):
             from specnb.serve import cmd_serve  # the server's stack (FastAPI, uvicorn) loads only for `serve`
 
             cmd_serve(args)
+        if args.command == "convert":
+            from specnb.convert import cmd_convert  # above the registry: imported only when asked for
+
+            cmd_convert(args)
         if args.command == "bench":
             from specnb.bench import cmd_bench  # higher up the stack than the CLI: imported only when asked for
 

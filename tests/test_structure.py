@@ -219,6 +219,7 @@ TOP_LEVEL = {  # module -> its job
     "cli": "the `specnb` command",
     "serve_options": "every `specnb serve` option once (read by the CLI without loading the server)",
     "bench": "`specnb bench`",
+    "convert": "`specnb convert`: quantized drafters",
     "widget": "the live view",
     "moved": "old module names, for one release",
 }

@@ -64,12 +64,12 @@ class Centroids(nn.Module):
         self.token_ordering = mx.arange(vocab, dtype=mx.int32)  # a buffer read from the checkpoint, never trained
         self.freeze(recurse=False, keys=["token_ordering"])
 
-    def __call__(self, y, table) -> mx.array:
-        """Full-vocabulary logits of `y` `(B, 1, h)` against `table` `(V, h)`: the top clusters' tokens scored, every
-        other one just below their least."""
+    def __call__(self, y, embedding: nn.Module) -> mx.array:
+        """Full-vocabulary logits of `y` `(B, 1, h)` against the rows of `embedding` (an `nn.Embedding`, quantized or
+        not): the top clusters' tokens scored, every other one just below their least."""
         top = mx.argpartition(self.centroids(y), kth=-self.k, axis=-1)[..., -self.k :]
         ids = self.token_ordering.reshape(self.shape)[top].reshape(*y.shape[:-1], -1)  # (B, 1, k·V/C)
-        scores = (table[ids] @ y[..., None])[..., 0]
+        scores = (embedding(ids) @ y[..., None])[..., 0]  # the rows read, dequantized if stored quantized
         out = mx.full((*y.shape[:-1], self.token_ordering.size), mx.min(scores) - 1, dtype=y.dtype)
         return mx.put_along_axis(out, ids, scores, axis=-1)
 
@@ -105,7 +105,7 @@ class Assistant(nn.Module):
     def readout(self, y) -> mx.array:
         "Logits of the drafter's normed output `y`."
         if "masked_embedding" in self:
-            return self.masked_embedding(y, self.model.embed_tokens.weight)
+            return self.masked_embedding(y, self.model.embed_tokens)
         return self.lm_head(y) if "lm_head" in self else self.model.embed_tokens.as_linear(y)
 
     def __call__(self, embedded, hidden, kv: dict, position: int) -> tuple:
