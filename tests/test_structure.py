@@ -204,6 +204,7 @@ TOP_LEVEL = {  # module -> its job
     "prefill": "the prefill drain",
     "verify": "the verify forward",
     "accept": "the accept walk and the sampler",
+    "tree": "draft trees: DDTree, the verify forward over a tree, the walk, the cache kept to the path",
     "tap": "the target's hidden states",
     "grammar": "grammar masks in the walk",
     "models": "loading models, the bundled pair, tiny random models",
