@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from .checkpoint import read_config
+from .sources.dflash_family import family_kind
 from .sources.mtp import holds_mtp
 from .sources.registry import published_kind
 
@@ -67,6 +68,8 @@ def convert(
             str(source), str(out), quantize=True, q_group_size=group_size, q_bits=bits, q_mode=mode, dtype=dtype
         )
         return "mlx-lm"
+    if kind == "dflash" and (relative := family_kind(cfg)):
+        raise ValueError(f"{source} is a {relative} drafter, which specnb convert does not write yet (z-lab's it does)")
     if kind not in FORMATS:
         raise ValueError(
             f"{source} is a split {kind.upper()} drafter: mlx-vlm's splitter writes it quantized from the target's "

@@ -100,7 +100,8 @@ _mtp = _published(
 )
 _assistant = _published("assistant", "AssistantProvider", "a published Gemma 4 assistant checkpoint")
 # p_min: the block is cut before its first unsure position
-_dflash = _published("dflash", "DFlashProvider", "a published DFlash checkpoint", draft_p_min="p_min")
+# z-lab's layout, or a relative's (Laguna's, Muse Glimmer's assistant, DFlash2), each with its own provider
+_dflash = _published("dflash_family", "any_dflash_provider", "a published DFlash checkpoint", draft_p_min="p_min")
 # p_min: the block is cut where the confidence head's running chance of acceptance falls below it
 _dspark = _published("dspark", "DSparkProvider", "a published DSpark checkpoint", draft_p_min="p_min")
 
@@ -208,6 +209,7 @@ def published_kind(path) -> str | None:
     from specnb.sources.eagle3 import is_eagle3
     from specnb.sources.assistant import MODEL_TYPES
     from specnb.sources.dflash import is_dflash
+    from specnb.sources.dflash_family import family_kind
     from specnb.sources.dspark import is_dspark
     from specnb.sources.mtp import SPLIT_MTP
 
@@ -215,6 +217,8 @@ def published_kind(path) -> str | None:
         cfg = read_config(path)
     except (OSError, ValueError):
         return None  # not here or not reachable: the loader says why
+    if family_kind(cfg):
+        return "dflash"  # Laguna's, Muse Glimmer's, DFlash2: DFlash drafters of other layouts
     if is_dspark(cfg):
         return "dspark"  # before DFlash: a DSpark config is a DFlash one with a Markov step and a confidence head
     if is_dflash(cfg):
@@ -226,10 +230,7 @@ def published_kind(path) -> str | None:
 
 # drafter model types mlx-vlm reads that specnb does not yet: refused by name, not loaded as a draft model and failing
 NOT_READ = (
-    "dflash2",
-    "laguna",
     "laguna_dflash",
-    "muse_glimmer_assistant",
     "gemma4_dspark",
     "deepseek_v4_dspark",
     "nemotron_h_mtp",
@@ -253,8 +254,8 @@ def refuse_unread_drafter(path):
         return  # not here or not reachable: the loader says why
     if kind in NOT_READ:
         raise ValueError(
-            f"{path} is a {kind} drafter, which specnb does not read yet (it reads EAGLE-3, DFlash, DSpark, native and "
-            "split MTP, and Gemma 4 assistant checkpoints)"
+            f"{path} is a {kind} drafter, which specnb does not read yet (it reads EAGLE-3, DFlash and its "
+            "relatives, DSpark, native and split MTP, and Gemma 4 assistant checkpoints)"
         )
 
 
@@ -303,9 +304,12 @@ def default_draft_tokens(kind: str, draft_model=None) -> int:
         return 3
     from specnb.checkpoint import read_config
     from specnb.sources.dflash import read_dflash
+    from specnb.sources.dflash_family import family_draft_tokens, family_kind
     from specnb.sources.dspark import read_dspark
 
     cfg = read_config(draft_model) or {}
+    if kind.startswith("dflash") and family_kind(cfg):
+        return family_draft_tokens(cfg)  # DFlash2: its runtime block, as mlx-vlm drafts it
     return (read_dspark(cfg)[0] if kind.startswith("dspark") else read_dflash(cfg)).block_size - 1
 
 
