@@ -413,6 +413,7 @@ class DFlashProvider:
     "Drafting with a published DFlash checkpoint on the target's hidden states; each request gets a `DFlashSource`."
 
     source, name = DFlashSource, "DFlash"  # the per-request source a subclass's requests get (DSpark's)
+    load = staticmethod(load_dflash)  # how a subclass's checkpoint is read: a folder or hub id → its drafter
 
     def __init__(
         self,
@@ -420,7 +421,7 @@ class DFlashProvider:
         p_min: float | None = None,  # the confidence cut (see `DFlashSource`)
         context: int | None = None,  # the context bound (see `DFlashSource`)
     ):
-        self.drafter = drafter if isinstance(drafter, DFlash) else load_dflash(drafter)
+        self.drafter = self.load(drafter) if isinstance(drafter, (str, Path)) else drafter
         self.p_min, self.context = p_min, context
 
     def tap_layers(self, model) -> list:

@@ -146,14 +146,14 @@ def load_laguna(path) -> LagunaDFlash:
 class LagunaProvider(DFlashProvider):
     "Drafting with a Laguna DFlash checkpoint on a Laguna target's hidden states; each request gets a `DFlashSource`."
 
-    name = "Laguna DFlash"
+    name, load = "Laguna DFlash", staticmethod(load_laguna)
 
     def __init__(
         self,
         drafter: LagunaDFlash | str | Path,  # a loaded drafter, or a folder or hub id holding one
-        p_min: float | None = None,  # the confidence cut (see `DFlashSource`)
+        p_min: float | None = None,  # the confidence cut (see `DFlashSource`); no context bound: the ring is one
     ):
-        super().__init__(drafter if isinstance(drafter, LagunaDFlash) else load_laguna(drafter), p_min)
+        super().__init__(drafter, p_min)
 
 # %% ../../nbs/05qc_dflash_family.ipynb #210d682d
 # mlx-vlm's defaults (the published Muse Glimmer 30B assistant's values) for the fields a config leaves out
@@ -217,15 +217,7 @@ def load_muse_glimmer(path) -> DFlash:
 class MuseGlimmerProvider(DFlashProvider):
     "Drafting with a Muse Glimmer assistant on its target's hidden states; each request gets a `DFlashSource`."
 
-    name = "Muse Glimmer assistant"
-
-    def __init__(
-        self,
-        drafter: DFlash | str | Path,  # a loaded drafter, or a folder or hub id holding one
-        p_min: float | None = None,  # the confidence cut (see `DFlashSource`)
-        context: int | None = None,  # the context bound (default: the checkpoint's window)
-    ):
-        super().__init__(drafter if isinstance(drafter, DFlash) else load_muse_glimmer(drafter), p_min, context)
+    name, load = "Muse Glimmer assistant", staticmethod(load_muse_glimmer)  # DFlash's provider otherwise
 
 # %% ../../nbs/05qc_dflash_family.ipynb #027b663a
 _DFLASH2 = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -368,10 +360,8 @@ class DFlash2Source(DFlashSource):
 class DFlash2Provider(DFlashProvider):
     "Drafting with a DFlash2 checkpoint on the target's hidden states; each request gets a `DFlash2Source`."
 
-    source, name = DFlash2Source, "DFlash2"  # DFlash's provider otherwise: its `check` and `open`
-
-    def __init__(self, drafter: DFlash2 | str | Path, p_min: float | None = None, context: int | None = None):
-        super().__init__(drafter if isinstance(drafter, DFlash2) else load_dflash2(drafter), p_min, context)
+    # DFlash's provider otherwise: its `__init__`, `check` and `open`
+    source, name, load = DFlash2Source, "DFlash2", staticmethod(load_dflash2)
 
 # %% ../../nbs/05qc_dflash_family.ipynb #247f8088
 # each relative's kind → its provider (the provider loads a folder or hub id)
