@@ -247,6 +247,10 @@ def main(argv=None):
     p.add_argument("--checkpoint-minutes", type=float, default=10)
     p.add_argument("--eval-every", type=int, default=64)
     p.add_argument("--new-corpus", action="store_true", help="resume on this machine's corpus though its size differs")
+    p.add_argument(
+        "--corpus", help="a corpus of one's own (.npz: train and heldout token streams; e.g. specnb.train.chat)"
+    )
+    p.add_argument("--init-from", help="a new run starting from the drafter of this run folder (a second stage)")
     args = p.parse_args(argv)
     fn, eos = TARGETS[args.target]
     path = getattr(models, fn)()
@@ -255,15 +259,20 @@ def main(argv=None):
     # the run's corpus travels with it: the prose part reads the installed packages' descriptions, which differ
     # from one environment to the next
     kept = Path(args.folder) / "resume" / "corpus.npz"
-    if kept.exists():
-        with np.load(kept) as z:
+    if kept.exists() or args.corpus:
+        with np.load(kept if kept.exists() else args.corpus) as z:
             data = {s: z[s] for s in ("train", "heldout")}
     else:
         data = prose_and_code(Tokenizer.from_file(str(path / "tokenizer.json")), eos)
+    if not kept.exists():
         kept.parent.mkdir(parents=True, exist_ok=True)
         np.savez_compressed(kept, **data)
     fresh = not (Path(args.folder) / "training.json").exists()
-    drafter = new_drafter(target, data, vocab_from=args.vocab_from) if fresh else None
+    drafter = None
+    if fresh and args.init_from:  # a second stage: the trained drafter, a fresh optimizer and schedule
+        drafter = load_run(args.init_from, target)[0]
+    elif fresh:
+        drafter = new_drafter(target, data, vocab_from=args.vocab_from)
     until = time.time() + args.hours * 3600 if args.hours else None
     log = lambda r: print(json.dumps(r), flush=True)
     run = long_run(
