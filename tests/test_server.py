@@ -183,6 +183,20 @@ def test_stop_sequences(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
+def test_min_tokens_holds_off_stop_sequences(client):
+    """vLLM's rule for its `min_tokens` (its test_min_tokens_with_stop): no stop sequence ends the text before that many
+    tokens; the first one after them does (issue #46: a newline stopped the first request here after 1 token)."""
+    prompt, body = "def f(x):", dict(model=MODEL, max_tokens=30, temperature=0)
+    full = client.completions.create(prompt=prompt, **body).choices[0].text
+    assert full.startswith("\n")  # the bundled model writes code: a newline first, and more later
+    r = client.completions.create(prompt=prompt, stop=["\n"], extra_body={"min_tokens": 20}, **body)
+    assert (r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason) == (full, 30, "length")
+    r = client.completions.create(prompt=prompt, stop=["\n"], extra_body={"min_tokens": 3}, **body)
+    text = r.choices[0].text
+    assert r.usage.completion_tokens >= 3 and full.startswith(text) and "\n" in text, (text, full)
+    assert (r.choices[0].finish_reason, full[len(text)]) == ("stop", "\n")  # cut at the first newline after 3
+
+
 def test_num_draft_tokens_per_request(client):
     kw = dict(model=MODEL, prompt="for i in range(", max_tokens=40)
     plain = client.completions.create(**kw, extra_body={"num_draft_tokens": 0})

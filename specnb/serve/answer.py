@@ -430,8 +430,12 @@ class StopText:
     def __init__(self, stops):
         self.stops, self.sent = [s for s in stops if s], 0
 
-    def push(self, text: str, final: bool = False) -> tuple:
-        "`(new text safe to send, whether a stop sequence was found)` for the whole decoded `text` so far."
+    def push(self, text: str, final: bool = False, hold: bool = False) -> tuple:
+        """`(new text safe to send, whether a stop sequence was found)` for the whole decoded `text` so far; `hold`:
+        stop sequences are held off (too few tokens yet: `min_tokens`): all of it is sent, none found in it later."""
+        if hold:
+            delta, self.sent = text[self.sent :], len(text)
+            return delta, False
         hits = [i for i in (text.find(s, self.sent) for s in self.stops) if i >= 0]
         end = min(hits) if hits else len(text)
         if not hits and not final:  # hold back the longest tail that is a proper prefix of some stop sequence
@@ -474,7 +478,8 @@ class TextSink:
         if self.job.logprobs is not None:
             self.job.emit("logprobs", [(t, *self.result.logprobs[self.n - 1])])
         self.text.add(t)
-        delta, hit = self.stop.push(self.text.text)
+        # vLLM's min_tokens: no stop sequence ends the text before it has that many tokens
+        delta, hit = self.stop.push(self.text.text, hold=self.n < self.job.min_tokens)
         if delta:
             self.job.emit("text", delta)
         if hit:

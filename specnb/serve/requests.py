@@ -62,6 +62,7 @@ class Job:
     acceptance: str = "match"  # or "rejection": speculative sampling
     seed: int | None = None
     ignore_eos: bool = False  # stop only at max_tokens (a stop sequence or a grammar's end still stop)
+    min_tokens: int = 0  # no end of sequence and no stop sequence before this many tokens (vLLM's rule)
     predicted: list | None = None  # token ids of the request's predicted output: drafted from first
     logprobs: int | None = None  # each token's logprob and this many alternatives (None: none)
     prompt_logprobs: int | None = None  # … and the prompt's tokens' too (a completion's echo with logprobs)
@@ -424,6 +425,7 @@ def make_job(
         num_draft_tokens=limits.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens,
         seed=choice_seed(req.seed, choice),
         ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
         predicted=predicted_tokens(limits, req.prediction),
         logprobs=asked_logprobs(req),
         prompt_logprobs=asked_logprobs(req) if getattr(req, "echo", False) else None,
