@@ -345,6 +345,22 @@ BAD = [  # (endpoint, body, text the error message must contain)
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "wizard"),
     ("chat/completions", {"messages": "hello"}, "messages"),
+    # issue #46: these answered 500
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": 5}},
+        "chat_template_kwargs may not set messages",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tools": "x"}},
+        "chat_template_kwargs may not set tools",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"documents": 5}},
+        "chat_template_kwargs: the chat template cannot use them",
+    ),
     (
         "chat/completions",
         {

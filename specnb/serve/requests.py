@@ -200,6 +200,8 @@ _OWN_TEMPLATE_ARGS = {
     "return_dict",
     "chat_template",
     "continue_final_message",
+    "messages",  # the template's own variable: the conversation
+    "tools",  # from the request's `tools`
 }
 
 
@@ -260,6 +262,13 @@ def chat_prompt(
         )
     except TemplateError as e:
         raise APIError(400, f"the chat template refused this conversation: {e}", "messages") from None
+    except (TypeError, ValueError) as e:  # a value the template cannot use: the request's, as the server's are fixed
+        if not template_kwargs:
+            raise
+        what = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+        raise APIError(
+            400, f"chat_template_kwargs: the chat template cannot use them ({what})", "chat_template_kwargs"
+        ) from None
     return encode_within(limits, text, max_tokens, "messages", add_special_tokens=False)
 
 
