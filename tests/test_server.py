@@ -197,6 +197,18 @@ def test_min_tokens_holds_off_stop_sequences(client):
     assert (r.choices[0].finish_reason, full[len(text)]) == ("stop", "\n")  # cut at the first newline after 3
 
 
+def test_token_array_prompt(client, pair):
+    """OpenAI's prompt as an array of token arrays, one of them — what lm-evaluation-harness's local-completions sends
+    by default (issue #46: refused with "prompt.str: Input should be a valid string"): the same answer as the ids alone
+    and as the text, echo and logprobs included."""
+    text = "import os\nimport sys\n"
+    ids = pair.tokenizer.encode(text)
+    body = dict(model=MODEL, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    answers = [client.completions.create(prompt=p, **body).choices[0] for p in ([ids], ids, text)]
+    assert answers[0].text == answers[1].text == answers[2].text
+    assert answers[0].logprobs.token_logprobs == answers[1].logprobs.token_logprobs
+
+
 def test_num_draft_tokens_per_request(client):
     kw = dict(model=MODEL, prompt="for i in range(", max_tokens=40)
     plain = client.completions.create(**kw, extra_body={"num_draft_tokens": 0})
@@ -333,6 +345,8 @@ BAD = [  # (endpoint, body, text the error message must contain)
     ("completions", {"prompt": []}, "prompt is empty"),
     ("completions", {"prompt": [1, 99999]}, "99999"),
     ("completions", {"prompt": ["a", "b"]}, "one prompt per request"),
+    ("completions", {"prompt": [[1, 2], [3, 4]]}, "one prompt per request"),
+    ("completions", {"prompt": [[1, 99999]]}, "99999"),
     ("completions", {"max_tokens": 5}, "prompt: field required"),
     ("completions", {"prompt": "x", "stop": [1, 2]}, "stop"),
     ("completions", {"prompt": "x", "n": 17}, "n"),

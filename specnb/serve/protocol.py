@@ -222,7 +222,7 @@ class ChatRequest(BaseRequest):
 
 
 class CompletionRequest(BaseRequest):
-    prompt: str | list[_Int()] | list[str]
+    prompt: str | list[_Int()] | list[str] | list[list[_Int()]]  # text or token ids; in a list, one prompt
     echo: bool = False
     logprobs: _Int(ge=0, le=20) | None = None  # the top alternatives per token (0: the token's own logprob only)
     suffix: str | None = None

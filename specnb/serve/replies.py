@@ -171,8 +171,8 @@ async def _whole(reply: Reply, jobs: list, choices: list, request: Request, echo
 
 def echo_text(tokenizer, prompt) -> str:
     "A completion's prompt as `echo` returns it: the text as sent, or token ids decoded."
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a list of one prompt
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
 # %% ../../nbs/08fa_replies.ipynb #0d5f1bc9

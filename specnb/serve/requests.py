@@ -273,8 +273,9 @@ def chat_prompt(
 
 
 def completion_prompt(limits, prompt, max_tokens: int = 1) -> list:
-    "Token ids of a completions `prompt`: one string, or a list of token ids."
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+    """Token ids of a completions `prompt`: one string or one list of token ids, either alone or in a list of one (as
+    lm-evaluation-harness sends token ids)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(400, f"one prompt per request, got {len(prompt)}", "prompt")
         prompt = prompt[0]
