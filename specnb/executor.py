@@ -106,6 +106,8 @@ class SpecResult:
     logprobs: list = field(default_factory=list)
     # with `prompt_logprobs=k`: the same per prompt token (None for the first)
     prompt_logprobs: list = field(default_factory=list)
+    # with `logprobs=k`, when an end-of-sequence token ended generation: `(id, logprob, top)` of it (not in `tokens`)
+    stop_token: tuple | None = None
 
 # %% ../nbs/07_executor.ipynb #cf1912dc
 def spec_options(
@@ -290,6 +292,8 @@ def _plain_steps(r: SpecRequest, n_steps: int, watch=nullcontext()):
         logits = processed_logits(logits, r.history(), r.procs)
         t = sample_one(logits, sampler=r.o.sampler, grammar=r.o.grammar).item()
         if t in r.eos:
+            if r.o.logprobs is not None:
+                r.res.stop_token = (t, *position_logprobs(logits, [t], r.o.logprobs)[0])
             return r.finish("stop")
         if r.o.grammar is not None:
             r.o.grammar.advance(t)
@@ -361,6 +365,8 @@ def emit_tokens(
     try:
         for i, t in enumerate(toks):
             if t in r.eos:
+                if r.scores is not None:
+                    r.res.stop_token = (t, *r.scores[i])
                 return r.finish("stop")
             r.out.append(t)
             if r.scores is not None:

@@ -209,6 +209,23 @@ def test_token_array_prompt(client, pair):
     assert answers[0].logprobs.token_logprobs == answers[1].logprobs.token_logprobs
 
 
+def test_echo_scores_an_end_of_text_continuation(client, pair):
+    """Under echo, the generated token's entry is there even when it is end-of-text (issue #46: 19 entries came back for
+    19 prompt tokens, and lm-evaluation-harness, which drops the last entry, lost the prompt's last token): prompt + 1
+    entries, the last one end-of-text's own log-probability, the text the prompt's alone."""
+    eos = pair.tokenizer.eos_token_id
+    ids = pair.tokenizer.encode("import os\n")
+    # a continuation that is end-of-text: forced, by a bias that makes every other token impossible
+    bias = {str(eos): 100}
+    r = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, logprobs=1, echo=True, temperature=0, logit_bias=bias
+    ).choices[0]
+    assert len(r.logprobs.token_logprobs) == len(ids) + 1, (len(r.logprobs.token_logprobs), len(ids))
+    assert r.logprobs.token_logprobs[-1] > -1e-3 and r.text == pair.tokenizer.decode(ids)  # ~log 1 under the bias
+    free = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    assert len(free.choices[0].logprobs.token_logprobs) == len(ids) + 1  # and an ordinary token, as before
+
+
 def test_num_draft_tokens_per_request(client):
     kw = dict(model=MODEL, prompt="for i in range(", max_tokens=40)
     plain = client.completions.create(**kw, extra_body={"num_draft_tokens": 0})

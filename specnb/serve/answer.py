@@ -501,4 +501,9 @@ class TextSink:
                 self.job.emit("text", delta)
             if hit:
                 self.finish = "stop"
+            # ended by an end-of-sequence token: a completion's logprobs still hold its entry, after the text's — the
+            # OpenAI echo convention scorers read (lm-evaluation-harness takes the prompt's entries and one more)
+            stop = getattr(self.result, "stop_token", None)
+            if stop is not None and self.job.logprobs is not None and self.job.endpoint == "completions":
+                self.job.emit("logprobs", [stop])
         return self.finish
