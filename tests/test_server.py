@@ -226,6 +226,21 @@ def test_echo_scores_an_end_of_text_continuation(client, pair):
     assert len(free.choices[0].logprobs.token_logprobs) == len(ids) + 1  # and an ordinary token, as before
 
 
+def test_logprobs_of_partial_characters(client):
+    """A token that is one byte of a character (issue #46: each was decoded alone, to U+FFFD): completion tokens join
+    into the echoed text and their offsets follow it; chat `bytes` are the token's exact bytes."""
+    text = "x = 'café €'\n"
+    lp = client.completions.create(model=MODEL, prompt=text, max_tokens=4, logprobs=0, echo=True).choices[0]
+    tokens, offsets = lp.logprobs.tokens, lp.logprobs.text_offset
+    assert "".join(tokens) == lp.text and lp.text.startswith(text), (tokens, lp.text)
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "é"}], max_tokens=12, logprobs=True
+    )
+    for e in chat.choices[0].logprobs.content:  # every token's bytes decode to its text, or are part of a character
+        assert bytes(e.bytes).decode("utf-8", "backslashreplace") == e.token
+
+
 def test_num_draft_tokens_per_request(client):
     kw = dict(model=MODEL, prompt="for i in range(", max_tokens=40)
     plain = client.completions.create(**kw, extra_body={"num_draft_tokens": 0})

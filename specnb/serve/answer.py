@@ -7,7 +7,7 @@ Docs: https://specnb.github.io/specnb/answer.html.md"""
 # %% auto #0
 __all__ = ['QWEN_STYLE_TEMPLATE', 'GEMMA_STYLE_TEMPLATE', 'STYLES', 'TOOL_FORMATS', 'WHITESPACE', 'chat_style_folder',
            'qwen_style_folder', 'initial_state', 'Turn', 'merge_delta', 'parser_name', 'needs_grammar',
-           'reasoning_mode', 'tight_gemma', 'bare_keys', 'tool_tag', 'tool_grammar', 'chat_logprobs',
+           'reasoning_mode', 'tight_gemma', 'bare_keys', 'tool_tag', 'tool_grammar', 'token_bytes', 'chat_logprobs',
            'completion_logprobs', 'StopText', 'TextSink']
 
 # %% ../../nbs/08ca_answer.ipynb #e6153c7c
@@ -398,23 +398,52 @@ def _piece(tokenizer, t: int) -> str:
     return tokenizer.decode([t])
 
 
+@lru_cache(maxsize=1)
+def _byte_of() -> dict:
+    "GPT-2's byte-level alphabet reversed: the byte each of its 256 characters stands for."
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    hidden = [b for b in range(256) if b not in shown]  # the rest, moved past 255 in order
+    return {chr(b): b for b in shown} | {chr(256 + i): b for i, b in enumerate(hidden)}
+
+
+@lru_cache(maxsize=8)
+def _detokenizer_kind(tokenizer) -> str:
+    return type(tokenizer.detokenizer).__name__  # mlx-lm's choice for this tokenizer: byte-level BPE, SentencePiece, …
+
+
+@lru_cache(maxsize=1 << 16)
+def token_bytes(tokenizer, t: int) -> bytes:
+    """The exact bytes token `t` stands for — one byte of a character for a byte-level BPE or SentencePiece byte
+    token, which decoded alone is U+FFFD."""
+    kind, name = _detokenizer_kind(tokenizer), tokenizer.convert_ids_to_tokens(t)
+    if kind == "BPEStreamingDetokenizer" and name and all(c in _byte_of() for c in name):
+        return bytes(_byte_of()[c] for c in name)
+    if kind == "SPMStreamingDetokenizer" and name:
+        return bytes([int(name[3:5], 16)]) if name.startswith("<0x") else name.replace("\u2581", " ").encode()
+    return _piece(tokenizer, t).encode()
+
+
 def chat_logprobs(tokenizer, entries: list) -> dict:
-    "OpenAI chat `logprobs` from `(token, logprob, [(id, logprob), …])` entries."
+    """OpenAI chat `logprobs` from `(token, logprob, [(id, logprob), …])` entries: `bytes` exact, a token that is part
+    of a character shown as its escaped bytes (`\\xc3`)."""
 
     def one(t, lp):
-        s = _piece(tokenizer, t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        b = token_bytes(tokenizer, t)
+        return {"token": b.decode("utf-8", "backslashreplace"), "logprob": lp, "bytes": list(b)}
 
     return {"content": [{**one(t, lp), "top_logprobs": [one(i, l) for i, l in top]} for t, lp, top in entries]}
 
 
-def completion_logprobs(tokenizer, entries: list, offset: int = 0) -> dict:
+def completion_logprobs(tokenizer, entries: list, offset: int = 0, decoded: DecodedText | None = None) -> dict:
     """OpenAI completions `logprobs` from the same entries (a None logprob: the first prompt token); `offset`: where the
-    text starts."""
+    text starts; `decoded`: the text decoded so far (a `DecodedText` kept across a request's bursts). Each token's text
+    is what it adds to the decoded text — a character split over tokens belongs to the token that completes it, the
+    ones before it are empty — so the tokens join into the text and `text_offset` follows it."""
+    decoded = decoded or DecodedText(tokenizer)
     tokens, offsets = [], []
     for t, _, _ in entries:
         offsets.append(offset)
-        tokens.append(_piece(tokenizer, t))
+        tokens.append(decoded.add(t))
         offset += len(tokens[-1])
     return {
         "tokens": tokens,

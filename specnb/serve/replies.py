@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from .protocol import BaseRequest, Reply, merged_usage
+from ..detok import DecodedText
 from .answer import Turn, chat_logprobs, completion_logprobs, initial_state, merge_delta
 from .requests import Choices, Job, make_job, turn_grammar
 from .engine import Engine
@@ -81,6 +82,7 @@ class _Choice:
     def __init__(self, tokenizer, turn: Turn | None):
         # offset: where a completion's next token starts in its text
         self.tokenizer, self.turn, self.offset = tokenizer, turn, 0
+        self.decoded = DecodedText(tokenizer)  # a completion's text as its logprob entries build it, burst by burst
 
     def piece(self, text: str, entries: list) -> tuple:
         "`(delta, logprobs)` of a burst of text and its tokens' logprob entries."
@@ -90,7 +92,7 @@ class _Choice:
     def logprobs(self, entries: list) -> dict:
         if self.turn is not None:
             return chat_logprobs(self.tokenizer, entries)
-        lp = completion_logprobs(self.tokenizer, entries, self.offset)
+        lp = completion_logprobs(self.tokenizer, entries, self.offset, self.decoded)
         if lp["tokens"]:
             self.offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
         return lp
