@@ -7,7 +7,7 @@ Docs: https://specnb.github.io/specnb/answer.html.md"""
 # %% auto #0
 __all__ = ['QWEN_STYLE_TEMPLATE', 'GEMMA_STYLE_TEMPLATE', 'STYLES', 'TOOL_FORMATS', 'WHITESPACE', 'chat_style_folder',
            'qwen_style_folder', 'initial_state', 'Turn', 'merge_delta', 'parser_name', 'needs_grammar',
-           'reasoning_mode', 'tight_gemma', 'bare_keys', 'tool_tag', 'tool_grammar', 'token_bytes', 'chat_logprobs',
+           'reasoning_mode', 'tight_gemma', 'bare_keys', 'tool_tag', 'tool_grammar', 'chat_logprobs',
            'completion_logprobs', 'StopText', 'TextSink']
 
 # %% ../../nbs/08ca_answer.ipynb #e6153c7c
@@ -25,7 +25,7 @@ try:
 except ImportError:
     _json_schema_to_ebnf = None
 from fastcore.basics import patch
-from ..detok import DecodedText
+from ..detok import DecodedText, token_bytes
 from ..grammar import from_structural_tag
 from .protocol import APIError
 
@@ -396,31 +396,6 @@ def tool_grammar(tokenizer, tools: list, tool_choice, parallel_tool_calls, reaso
 @lru_cache(maxsize=1 << 16)  # a request with top_logprobs 20 names 21 tokens a position, mostly the same few thousand
 def _piece(tokenizer, t: int) -> str:
     return tokenizer.decode([t])
-
-
-@lru_cache(maxsize=1)
-def _byte_of() -> dict:
-    "GPT-2's byte-level alphabet reversed: the byte each of its 256 characters stands for."
-    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    hidden = [b for b in range(256) if b not in shown]  # the rest, moved past 255 in order
-    return {chr(b): b for b in shown} | {chr(256 + i): b for i, b in enumerate(hidden)}
-
-
-@lru_cache(maxsize=8)
-def _detokenizer_kind(tokenizer) -> str:
-    return type(tokenizer.detokenizer).__name__  # mlx-lm's choice for this tokenizer: byte-level BPE, SentencePiece, …
-
-
-@lru_cache(maxsize=1 << 16)
-def token_bytes(tokenizer, t: int) -> bytes:
-    """The exact bytes token `t` stands for — one byte of a character for a byte-level BPE or SentencePiece byte
-    token, which decoded alone is U+FFFD."""
-    kind, name = _detokenizer_kind(tokenizer), tokenizer.convert_ids_to_tokens(t)
-    if kind == "BPEStreamingDetokenizer" and name and all(c in _byte_of() for c in name):
-        return bytes(_byte_of()[c] for c in name)
-    if kind == "SPMStreamingDetokenizer" and name:
-        return bytes([int(name[3:5], 16)]) if name.startswith("<0x") else name.replace("\u2581", " ").encode()
-    return _piece(tokenizer, t).encode()
 
 
 def chat_logprobs(tokenizer, entries: list) -> dict:
