@@ -74,3 +74,24 @@ def test_greedy_continuations_equal_the_hf_model(models):
     assert api[True].generate_until(requests("generate_until", args)) == hf.generate_until(
         requests("generate_until", args)
     )
+
+
+def test_chat_continuations_equal_the_hf_model(models):
+    """Its `local-chat-completions` model (what lm-eval runs with `--apply_chat_template` against a chat endpoint) gets
+    the continuation its `hf` model makes of the same conversation through the model's chat template."""
+    import json
+
+    from lm_eval.models.api_models import JsonChatStr
+    from lm_eval.models.openai_completions import LocalChatCompletion
+
+    hf, api = models
+    chat = LocalChatCompletion(
+        base_url=api[True].base_url.replace("/v1/completions", "/v1/chat/completions"),
+        model="specnb-bundled",
+        tokenizer_backend=None,
+    )
+    gen = {"until": ["\n\n"], "max_gen_toks": 16, "do_sample": False}
+    convs = [[{"role": "user", "content": s[:30]}] for s in SNIPPETS]
+    got = chat.generate_until(requests("generate_until", [(JsonChatStr(json.dumps(c)), dict(gen)) for c in convs]))
+    want = hf.generate_until(requests("generate_until", [(hf.apply_chat_template(c), dict(gen)) for c in convs]))
+    assert got == want
