@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..grammar import json_object
 from ..sources.registry import load_drafting
 from ..blas import blas_in_use
-from .protocol import APIError, ChatRequest, CompletionRequest, validation_error
+from .protocol import ANSWERS, APIError, ChatRequest, CompletionRequest, validation_error
 from .requests import asked_tokens, chat_prompt, check_model, completion_prompt, tool_dicts
 from .memory import mib, parse_bytes
 from ..serve_options import ServeOptions
@@ -244,6 +244,12 @@ def _openapi(app: FastAPI) -> dict:
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     schemas["Error"] = _ERROR_SCHEMA
+    schemas.update(ANSWERS)
+    # an empty prompt is refused ("prompt is empty"): the schema says so, in each of its forms
+    for alt in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+        alt["minLength" if alt.get("type") == "string" else "minItems"] = 1
+        if alt.get("items", {}).get("type") in ("string", "array"):
+            alt["items"]["minLength" if alt["items"]["type"] == "string" else "minItems"] = 1
     error = lambda why: {
         "description": why,
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
@@ -260,6 +266,11 @@ def _openapi(app: FastAPI) -> dict:
             "[DONE]`"
         )
         ok["content"]["text/event-stream"] = {"schema": {}}
+        answer = "Completion" if path == "/v1/completions" else "ChatCompletion"
+        ok["content"]["application/json"] = {"schema": {"$ref": f"#/components/schemas/{answer}"}}
+    s["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"] = {
+        "schema": {"$ref": "#/components/schemas/ModelList"}
+    }
     _whole_bounds(s)
     s["paths"]["/metrics"]["get"]["responses"]["200"] = {
         "description": "Prometheus metrics",
