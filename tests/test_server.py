@@ -241,6 +241,25 @@ def test_logprobs_of_partial_characters(client):
         assert bytes(e.bytes).decode("utf-8", "backslashreplace") == e.token
 
 
+def test_several_prompts_are_several_choices(client, pair):
+    """A completions prompt that is a list of prompts (strings or token arrays, as OpenAI documents and lm-eval sends in
+    batches) is answered with `n` choices of each, in order (issue #46: refused), streamed or not; each prompt is
+    counted once in the usage."""
+    texts = ["def read(path):\n", "class Stack:\n"]
+    one = [client.completions.create(model=MODEL, prompt=t, max_tokens=6, temperature=0) for t in texts]
+    for prompt in (texts, [pair.tokenizer.encode(t) for t in texts]):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, n=2)
+        assert [c.index for c in r.choices] == [0, 1, 2, 3]
+        assert [c.text for c in r.choices] == [o.choices[0].text for o in one for _ in range(2)]
+        assert r.usage.prompt_tokens == sum(o.usage.prompt_tokens for o in one)
+    chunks = client.completions.create(model=MODEL, prompt=texts, max_tokens=6, temperature=0, stream=True)
+    got = ["", ""]
+    for c in chunks:
+        for ch in c.choices:
+            got[ch.index] += ch.text
+    assert got == [o.choices[0].text for o in one]
+
+
 def test_num_draft_tokens_per_request(client):
     kw = dict(model=MODEL, prompt="for i in range(", max_tokens=40)
     plain = client.completions.create(**kw, extra_body={"num_draft_tokens": 0})
@@ -376,8 +395,8 @@ BAD = [  # (endpoint, body, text the error message must contain)
     ("completions", {"prompt": ""}, "prompt is empty"),
     ("completions", {"prompt": []}, "prompt is empty"),
     ("completions", {"prompt": [1, 99999]}, "99999"),
-    ("completions", {"prompt": ["a", "b"]}, "one prompt per request"),
-    ("completions", {"prompt": [[1, 2], [3, 4]]}, "one prompt per request"),
+    ("completions", {"prompt": ["a"] * 9, "n": 2}, "at most 16 choices"),
+    ("completions", {"prompt": [[1, 2], [3, 99999]]}, "99999"),
     ("completions", {"prompt": [[1, 99999]]}, "99999"),
     ("completions", {"max_tokens": 5}, "prompt: field required"),
     ("completions", {"prompt": "x", "stop": [1, 2]}, "stop"),

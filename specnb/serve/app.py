@@ -22,11 +22,11 @@ from ..grammar import json_object
 from ..sources.registry import load_drafting
 from ..blas import blas_in_use
 from .protocol import ANSWERS, APIError, ChatRequest, CompletionRequest, validation_error
-from .requests import asked_tokens, chat_prompt, check_model, completion_prompt, tool_dicts
+from .requests import asked_tokens, chat_prompt, check_model, completion_prompts, tool_dicts
 from .memory import mib, parse_bytes
 from ..serve_options import ServeOptions
 from .engine import Engine, log
-from .replies import echo_text, respond
+from .replies import echo_texts, respond
 
 # %% ../../nbs/08g_app.ipynb #94f157f4
 def _add_error_handlers(app: FastAPI, engine: Engine):
@@ -145,15 +145,14 @@ def _add_routes(app: FastAPI, engine: Engine):
             req.reasoning_effort,
             tools,
         )  # off the loop
-        return await respond(engine, req, "chat", prompt, request, tools=tools)
+        return await respond(engine, req, "chat", [prompt], request, tools=tools)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(engine.limits, req.model)
-        prompt = await run_in_threadpool(completion_prompt, engine.limits, req.prompt, asked_tokens(req) or 1)
-        return await respond(
-            engine, req, "completions", prompt, request, echo_text(engine.tokenizer, req.prompt) if req.echo else ""
-        )
+        prompts = await run_in_threadpool(completion_prompts, engine.limits, req.prompt, asked_tokens(req) or 1, req.n)
+        echoes = echo_texts(engine.tokenizer, req.prompt) if req.echo else None
+        return await respond(engine, req, "completions", prompts, request, echoes)
 
     @app.get("/v1/models")
     async def models():
