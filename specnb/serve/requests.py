@@ -6,9 +6,9 @@ Docs: https://specnb.github.io/specnb/requests.html.md"""
 
 # %% auto #0
 __all__ = ['MAX_CHOICES', 'Limits', 'Choices', 'Job', 'least', 'count_past', 'check_context', 'encode_within', 'chat_prompt',
-           'completion_prompts', 'completion_prompt', 'asked_tokens', 'refuse_unhonoured', 'min_tokens_processor',
-           'predicted_tokens', 'choice_seed', 'xtc_spared', 'asked_logprobs', 'make_job', 'make_grammar', 'tool_dicts',
-           'turn_grammar', 'check_model']
+           'completion_prompts', 'asked_tokens', 'refuse_unhonoured', 'min_tokens_processor', 'predicted_tokens',
+           'choice_seed', 'xtc_spared', 'asked_logprobs', 'make_job', 'make_grammar', 'tool_dicts', 'turn_grammar',
+           'check_model']
 
 # %% ../../nbs/08d_requests.ipynb #3f331d76
 import asyncio, json, re, threading, time
@@ -276,28 +276,17 @@ MAX_CHOICES = 16  # a request's choices at most: its prompts × n
 
 
 def completion_prompts(limits, prompt, max_tokens: int = 1, n: int = 1) -> list:
-    """The token ids of each prompt a completions request holds: one string or token list alone, or a list of them —
-    several prompts, answered as `n` choices each, in order."""
-    several = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
-    prompts = prompt if several else [prompt]
+    """The token ids of each prompt of a completions request: one string or list of token ids, or a list of them —
+    several prompts, each answered with `n` choices, in order."""
+    prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
     if len(prompts) * n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts × n {n}: at most {MAX_CHOICES} choices a request", "prompt")
-    return [completion_prompt(limits, p, max_tokens) for p in prompts]
-
-
-def completion_prompt(limits, prompt, max_tokens: int = 1) -> list:
-    """Token ids of a completions `prompt`: one string or one list of token ids, either alone or in a list of one (as
-    lm-evaluation-harness sends token ids)."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, f"one prompt per request, got {len(prompt)}", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return encode_within(limits, prompt, max_tokens, "prompt") if prompt else []
-    bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
-    if bad:
-        raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})", "prompt")
-    return list(prompt)
+    V = limits.vocab_size
+    for bad in ([t for t in p if not 0 <= t < V] for p in prompts if not isinstance(p, str)):
+        if bad:
+            raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {V})", "prompt")
+    text = lambda p: encode_within(limits, p, max_tokens, "prompt") if p else []
+    return [text(p) if isinstance(p, str) else list(p) for p in prompts]
 
 
 def asked_tokens(req) -> int | None:
