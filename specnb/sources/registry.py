@@ -228,20 +228,18 @@ def published_kind(path) -> str | None:
     return "eagle3" if is_eagle3(cfg) else "assistant" if (cfg or {}).get("model_type") in MODEL_TYPES else None
 
 
-# drafter model types mlx-vlm reads that specnb does not yet: refused by name, not loaded as a draft model and failing
-NOT_READ = (
-    "laguna_dflash",
-    "gemma4_dspark",
-    "deepseek_v4_dspark",
-    "nemotron_h_mtp",
-    "deepseek_v4_mtp",
-    "glm4_moe_lite_mtp",
-    "glm5_next_mtp",
-    "glm_moe_dsa_mtp",
-    "hy_v4_mtp",
-    "inkling_mtp",
-    "qwen4_exp_mtp",
-)
+_NO_TARGET = "mlx-lm has no {} target for it to draft for"
+# drafter model types mlx-vlm reads that specnb does not: refused by name and why, not loaded as a draft model to fail
+NOT_READ = {
+    "laguna_dflash": "mlx-vlm reads Laguna's drafter as model_type laguna with a dflash_config, and no other layout",
+    "gemma4_dspark": "not yet",
+    "deepseek_v4_dspark": "not yet",
+    "nemotron_h_mtp": "not yet (mlx-lm has its target: to come)",
+    "glm_moe_dsa_mtp": "not yet (mlx-lm has its target: to come)",
+    "glm4_moe_lite_mtp": "not yet: mlx-vlm 0.7.10 splits it out but has no drafter to check it against",
+    "deepseek_v4_mtp": "mlx-lm has no deepseek_v4 target (its deepseek_v41 is another architecture)",
+    **{f"{t}_mtp": _NO_TARGET.format(t) for t in ("hy_v4", "inkling", "qwen4_exp", "glm5_next")},
+}
 
 
 def refuse_unread_drafter(path):
@@ -254,8 +252,8 @@ def refuse_unread_drafter(path):
         return  # not here or not reachable: the loader says why
     if kind in NOT_READ:
         raise ValueError(
-            f"{path} is a {kind} drafter, which specnb does not read yet (it reads EAGLE-3, DFlash and its "
-            "relatives, DSpark, native and split MTP, and Gemma 4 assistant checkpoints)"
+            f"{path} is a {kind} drafter, which specnb does not read: {NOT_READ[kind]} (it reads EAGLE-3, DFlash and "
+            "its relatives, DSpark, native and split MTP, and Gemma 4 assistant checkpoints)"
         )
 
 
