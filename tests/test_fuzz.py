@@ -394,11 +394,17 @@ def answer_problem(path, body, r: httpx.Response) -> str | None:
                 return f"a chunk: {chunk}"
         return None
     d = r.json()
-    if d.get("object") != ("chat.completion" if path == CHAT else "text_completion") or len(d.get("choices", [])) != 1:
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+    choices = body.get("n", 1) * (len(prompt) if several else 1)  # n choices of each prompt
+    if (
+        d.get("object") != ("chat.completion" if path == CHAT else "text_completion")
+        or len(d.get("choices", [])) != choices
+    ):
         return f"an answer: {d}"
     if not isinstance(text_of(r), str) or d["choices"][0]["finish_reason"] not in ("stop", "length"):
         return f"a choice: {d['choices']}"
-    if not 0 <= d["usage"]["completion_tokens"] <= LIMIT:
+    if not 0 <= d["usage"]["completion_tokens"] <= LIMIT * choices:
         return f"usage: {d['usage']}"
     fmt = body.get("response_format") or {}
     # whole, not cut

@@ -264,10 +264,13 @@ def test_logprobs_equal_plain_decoding(client, loaded):
 
 @lru_cache(maxsize=2)
 def _vocab(tok) -> dict:
-    "Each token's text → the ids that decode to it (one each in these vocabularies, but for the replacement character)."
+    """Each token's text as chat logprobs show it — its exact bytes, escaped where they are part of a character
+    (`specnb.detok.token_bytes`) — → the ids with that text (one each in these vocabularies)."""
+    from specnb.detok import token_bytes
+
     out = {}
     for i in range(len(tok._tokenizer)):
-        out.setdefault(tok.decode([i]), []).append(i)
+        out.setdefault(token_bytes(tok, i).decode("utf-8", "backslashreplace"), []).append(i)
     return out
 
 
