@@ -371,15 +371,21 @@ class DFlashSource:
     def _confident(self, logits) -> bool:
         return mx.softmax(logits.astype(mx.float32), axis=-1).max().item() >= self.p_min
 
-    def draft(self, feed, n, step=0, anchor_hidden=None):
+    def block_hidden(self, feed, n: int, anchor_hidden=None, lead: int = 1) -> mx.array | None:
+        """Read the kept rows, then run the block — the anchor `feed[-1]`, then masks — and return its `(n, H)` hidden
+        states from position `lead` on (1: the masks; 0: the anchor's and n − 1 masks); None when the block has no
+        room (n capped at `block_size - 1`). Every source of the family drafts from it."""
         start, self.logits = self._read(anchor_hidden), []
         n = min(n, self.drafter.spec.block_size - 1)
         if n <= 0:
+            return None
+        block = mx.array([[int(feed[-1])] + [self.drafter.spec.mask_token_id] * (n - 1 + lead)], mx.uint32)
+        return self.drafter(self.embed(block) * self.scale, self.caches, start, self.context)[0, lead:]
+
+    def draft(self, feed, n, step=0, anchor_hidden=None):
+        if (h := self.block_hidden(feed, n, anchor_hidden)) is None:
             return []
-        block = mx.array([[int(feed[-1])] + [self.drafter.spec.mask_token_id] * n], mx.uint32)  # the bonus, then masks
-        x = self.embed(block) * self.scale
-        # (n, V): every draft at once
-        logits = self.drafter.logits(self.drafter(x, self.caches, start, self.context)[:, 1:], self.head)[0]
+        n, logits = h.shape[0], self.drafter.logits(h, self.head)  # (n, V): every draft at once
         # every row drawn at once: one graph, evaluated with the verify forward
         if self.grammar is None and not self.p_min:
             self.logits = [logits]

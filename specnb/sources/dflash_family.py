@@ -331,13 +331,10 @@ class DFlash2Source(DFlashSource):
     impossible; that row is the q the rejection rule reads."""
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
-        start, self.logits = self._read(anchor_hidden), []
         d, anchor = self.drafter, int(feed[-1])
-        n = min(n, d.spec.block_size - 1)
-        if n <= 0:
+        if (h := self.block_hidden(feed, n, anchor_hidden)) is None:
             return []
-        block = mx.array([[anchor] + [d.spec.mask_token_id] * n], mx.uint32)
-        h = d(self.embed(block) * self.scale, self.caches, start, self.context)[0, 1:]  # (n, H)
+        n = h.shape[0]  # (n, H)
         logits, sel = d.logits(h, self.head), d.candidate_selector
         cand = mx.argpartition(logits, -d.d2.top_k, axis=-1)[:, -d.d2.top_k :]  # (n, k)
         unary, hp = mx.take_along_axis(logits, cand, axis=-1), sel.hidden_projection(h)

@@ -114,14 +114,11 @@ class DSparkSource(DFlashSource):
     head's acceptance probabilities falls below it (without a head: of the drafts' top probabilities)."""
 
     def draft(self, feed, n, step=0, anchor_hidden=None):
-        start, self.logits = self._read(anchor_hidden), []
         d, anchor = self.drafter, int(feed[-1])
-        n = min(n, d.spec.block_size - 1)
-        if n <= 0:
+        # the first draft comes from the anchor's position, or the one after it
+        if (h := self.block_hidden(feed, n, anchor_hidden, lead=0 if d.ds.from_anchor else 1)) is None:
             return []
-        lead = 0 if d.ds.from_anchor else 1  # the first draft comes from the anchor's position, or the one after it
-        block = mx.array([[anchor] + [d.spec.mask_token_id] * (n - 1 + lead)], mx.uint32)
-        h = d(self.embed(block) * self.scale, self.caches, start, self.context)[0, lead:]  # (n, H)
+        n = h.shape[0]  # (n, H)
         base, at = d.logits(h, self.head), {"k": -1, "prev": mx.array([anchor], mx.uint32), "kept": 1.0}
 
         def next_logits(y):
