@@ -23,7 +23,7 @@ from .sources.registry import published_kind
 FORMATS = {
     "eagle3": ("specnb.sources.eagle3", "load_eagle3", "save_eagle3"),
     "dflash": ("specnb.sources.dflash", "load_dflash", "save_dflash"),
-    "dspark": ("specnb.sources.dspark", "load_dspark", "save_dspark"),
+    "dspark": ("specnb.sources.gemma4_dspark", "load_any_dspark", "save_any_dspark"),  # either backbone
     "assistant": ("specnb.sources.assistant", "load_assistant", "save_assistant"),
 }
 MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")  # MLX's quantization modes, as mlx-lm names them

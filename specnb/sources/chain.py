@@ -16,7 +16,7 @@ import mlx.core as mx, mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache
 from ..models import bundled_dir
 from ..caches.recurrent import spec_cache
 from ..tap import arch_name, check_tappable, probe_tap, text_model
@@ -270,7 +270,8 @@ class HeadSource:
     def check_lockstep(self):
         """The head holds one entry per target position, except the context it never saw (a follow-up turn's cached
         prefix)."""
-        t = self.target.cache[0].offset
+        first = self.target.cache[0]  # the first layer's cache (a DeepSeek-V3.2 layer's: its K/V beside its indexer's)
+        t = (first[0] if isinstance(first, CacheList) else first).offset
         if self.skipped is None:
             self.skipped = t - self.cache.offset
         if self.cache.offset + self.skipped != t:

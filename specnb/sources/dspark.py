@@ -19,7 +19,8 @@ from .base import draft_tokens
 from .dflash import DFlash, DFlashProvider, DFlashSource, dflash_config, read_dflash
 
 # %% ../../nbs/05qa_dspark.ipynb #1f9820de
-# DSpark's layouts: those read, and those refused by name (their own embedding and head, or split from `mtp.*`)
+# DSpark's layouts on a Qwen3 backbone, read here, and the others: Gemma 4's (its own embedding and head: 05qb) and
+# DeepSeek-V4's (split from `mtp.*`: refused, mlx-lm has no target for it)
 DSPARK_TYPES, DSPARK_NOT_READ = ("dspark", "qwen3_dspark"), ("gemma4_dspark", "deepseek_v4_dspark")
 
 
@@ -50,7 +51,8 @@ def read_dspark(cfg: dict) -> tuple:
     kind, dc = cfg.get("model_type"), dict(cfg.get("dflash_config") or {})
     if kind in DSPARK_NOT_READ:
         raise ValueError(
-            f"DSpark checkpoint of layout {kind}: specnb reads {' and '.join(DSPARK_TYPES)} DSpark drafters"
+            f"DSpark checkpoint of layout {kind}: this reader takes {' and '.join(DSPARK_TYPES)} DSpark drafters "
+            "(Gemma 4's: `read_gemma4_dspark`)"
         )
     if dc.get("markov_head_type", "vanilla") != "vanilla":
         raise ValueError(f"DSpark checkpoint: markov_head_type {dc['markov_head_type']!r} (specnb reads 'vanilla')")

@@ -420,6 +420,8 @@ class MtpProvider:
     """Drafting with the MTP head published inside the target's own checkpoint; each request gets a `HeadSource` on the
     target's last layer."""
 
+    load = staticmethod(load_mtp)  # how a subclass's checkpoint is read: (path, target, post_norm) → its head
+
     # the target's original checkpoint (mlx-community conversions drop the MTP weights)
     def __init__(self, path, post_norm: bool = True):  # features after the target's final norm; False: before it
         self.path, self.post_norm, self.head, self.model = path, post_norm, None, None
@@ -428,7 +430,7 @@ class MtpProvider:
     def check(self, model):
         "Load the head for `model` (once), or raise `ValueError` naming what does not fit (call at start-up)."
         if self.model is not model:
-            self.head, self.model = load_mtp(self.path, model, self.post_norm), model
+            self.head, self.model = self.load(self.path, model, self.post_norm), model
 
     def open(
         self,

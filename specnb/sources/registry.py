@@ -76,13 +76,15 @@ def _head(draft, draft_head=None):
     return HeadProvider(draft_head)  # None: the head shipped for the bundled target
 
 
-def _published(module: str, cls: str, what: str, where: str = "--draft-model (a folder or hub id)", **rename):
-    """`make` for a kind that reads a published checkpoint: `specnb.sources.{module}.{cls}(draft_model, **options)`,
+def _published(
+    kind: str, module: str, cls: str, what: str, where: str = "--draft-model (a folder or hub id)", **rename
+):
+    """`make` for the `kind` that reads a published checkpoint: `specnb.sources.{module}.{cls}(draft_model, **options)`,
     options renamed by `rename`."""
 
     def make(draft, draft_model=None, **options):
         if draft_model is None:
-            raise ValueError(f"{module} drafting reads {what}: give it with {where}")
+            raise ValueError(f"{kind} drafting reads {what}: give it with {where}")
         # imported when asked for: each pulls in its own formats
         provider = getattr(importlib.import_module(f"specnb.sources.{module}"), cls)
         # a folder, a hub id, or a loaded drafter
@@ -91,19 +93,25 @@ def _published(module: str, cls: str, what: str, where: str = "--draft-model (a 
     return make
 
 
-_eagle3 = _published("eagle3", "Eagle3Provider", "a published EAGLE-3 checkpoint")
+_eagle3 = _published("eagle3", "eagle3", "Eagle3Provider", "a published EAGLE-3 checkpoint")
 _mtp = _published(
     "mtp",
-    "MtpProvider",
+    "mtp_split",
+    "any_mtp_provider",  # a split drafter of GLM-MoE-DSA's (05na), else 05n's reader
     "MTP layers: a split MTP drafter, or a target checkpoint that kept them",
     "--draft-model (or, holding them, --model)",
 )
-_assistant = _published("assistant", "AssistantProvider", "a published Gemma 4 assistant checkpoint")
+_assistant = _published("assistant", "assistant", "AssistantProvider", "a published Gemma 4 assistant checkpoint")
 # p_min: the block is cut before its first unsure position
 # z-lab's layout, or a relative's (Laguna's, Muse Glimmer's assistant, DFlash2), each with its own provider
-_dflash = _published("dflash_family", "any_dflash_provider", "a published DFlash checkpoint", draft_p_min="p_min")
+_dflash = _published(
+    "dflash", "dflash_family", "any_dflash_provider", "a published DFlash checkpoint", draft_p_min="p_min"
+)
 # p_min: the block is cut where the confidence head's running chance of acceptance falls below it
-_dspark = _published("dspark", "DSparkProvider", "a published DSpark checkpoint", draft_p_min="p_min")
+# on a Qwen3 backbone (05qa) or Gemma 4's (05qb)
+_dspark = _published(
+    "dspark", "gemma4_dspark", "any_dspark_provider", "a published DSpark checkpoint", draft_p_min="p_min"
+)
 
 
 def behind_lookup(kind: DraftKind) -> DraftKind:
@@ -211,7 +219,9 @@ def published_kind(path) -> str | None:
     from specnb.sources.dflash import is_dflash
     from specnb.sources.dflash_family import family_kind
     from specnb.sources.dspark import is_dspark
+    from specnb.sources.gemma4_dspark import is_gemma4_dspark
     from specnb.sources.mtp import SPLIT_MTP
+    from specnb.sources.mtp_split import SPLIT_HEADS
 
     try:
         cfg = read_config(path)
@@ -219,11 +229,11 @@ def published_kind(path) -> str | None:
         return None  # not here or not reachable: the loader says why
     if family_kind(cfg):
         return "dflash"  # Laguna's, Muse Glimmer's, DFlash2: DFlash drafters of other layouts
-    if is_dspark(cfg):
+    if is_dspark(cfg) or is_gemma4_dspark(cfg):
         return "dspark"  # before DFlash: a DSpark config is a DFlash one with a Markov step and a confidence head
     if is_dflash(cfg):
         return "dflash"  # before EAGLE-3: a DFlash config is a Qwen3 one with its own fields
-    if (cfg or {}).get("model_type") in SPLIT_MTP:
+    if (cfg or {}).get("model_type") in {*SPLIT_MTP, *SPLIT_HEADS}:
         return "mtp"  # a target's MTP layers, split out into a drafter of their own
     return "eagle3" if is_eagle3(cfg) else "assistant" if (cfg or {}).get("model_type") in MODEL_TYPES else None
 
@@ -232,10 +242,8 @@ _NO_TARGET = "mlx-lm has no {} target for it to draft for"
 # drafter model types mlx-vlm reads that specnb does not: refused by name and why, not loaded as a draft model to fail
 NOT_READ = {
     "laguna_dflash": "mlx-vlm reads Laguna's drafter as model_type laguna with a dflash_config, and no other layout",
-    "gemma4_dspark": "not yet",
-    "deepseek_v4_dspark": "not yet",
-    "nemotron_h_mtp": "not yet (mlx-lm has its target: to come)",
-    "glm_moe_dsa_mtp": "not yet (mlx-lm has its target: to come)",
+    "deepseek_v4_dspark": "mlx-lm has no deepseek_v4 target (its deepseek_v41 is another architecture)",
+    "nemotron_h_mtp": "its target keeps its decoder at model.backbone, which specnb's tap and heads do not read yet",
     "glm4_moe_lite_mtp": "not yet: mlx-vlm 0.7.10 splits it out but has no drafter to check it against",
     "deepseek_v4_mtp": "mlx-lm has no deepseek_v4 target (its deepseek_v41 is another architecture)",
     **{f"{t}_mtp": _NO_TARGET.format(t) for t in ("hy_v4", "inkling", "qwen4_exp", "glm5_next")},
@@ -303,12 +311,12 @@ def default_draft_tokens(kind: str, draft_model=None) -> int:
     from specnb.checkpoint import read_config
     from specnb.sources.dflash import read_dflash
     from specnb.sources.dflash_family import family_draft_tokens, family_kind
-    from specnb.sources.dspark import read_dspark
+    from specnb.sources.gemma4_dspark import read_any_dspark
 
     cfg = read_config(draft_model) or {}
     if kind.startswith("dflash") and family_kind(cfg):
         return family_draft_tokens(cfg)  # DFlash2: its runtime block, as mlx-vlm drafts it
-    return (read_dspark(cfg)[0] if kind.startswith("dspark") else read_dflash(cfg)).block_size - 1
+    return (read_any_dspark(cfg)[0] if kind.startswith("dspark") else read_dflash(cfg)).block_size - 1
 
 
 def check_drafting(kind: str, options: dict, adaptive: str | bool | None = None):
