@@ -40,8 +40,8 @@ def check_head_target(model, tap_layers: list) -> list:
             f"the draft head cannot read {arch}: its config has no top-level num_hidden_layers, hidden_size and "
             "vocab_size to size a head by"
         )
-    first = spec_cache(model, 2)[0]  # the executor's caches for the target
-    if not hasattr(first, "offset"):
+    first = spec_cache(model, 2)[0]  # the executor's caches for the target (DeepSeek-V3.2's: K/V beside the indexer's)
+    if not hasattr(first[0] if isinstance(first, CacheList) else first, "offset"):
         raise ValueError(
             f"the draft head cannot read {arch}: its first layer's cache ({type(first).__name__}) has no offset to "
             "keep the head in lockstep"

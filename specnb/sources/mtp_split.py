@@ -15,7 +15,8 @@ from mlx_lm.models.base import create_attention_mask
 from ..checkpoint import checkpoint_keys, quantize_as_stored, read_config, read_tensors
 from ..tap import arch_name, text_model
 from .base import output_head
-from .mtp import MtpHead, MtpProvider, check_fit, misfit
+from .chain import check_head_target
+from .mtp import MtpHead, MtpProvider, check_fit
 
 # %% ../../nbs/05na_split_mtp.ipynb #f512aa27
 class GlmDsaMtp(MtpHead):
@@ -65,13 +66,14 @@ def head_name(stored: str) -> str:
 def load_split_mtp(path, target, post_norm: bool = True) -> MtpHead:
     """The head of the split MTP drafter at `path` (a folder or hub id), built for `target`; a one-line `ValueError`
     where it does not fit."""
-    cfg, target = read_config(path) or {}, text_model(target)
+    cfg, model, target = read_config(path) or {}, target, text_model(target)
     kind, arch = cfg.get("model_type"), arch_name(target)
     if kind not in SPLIT_HEADS:
         raise ValueError(f"{path} is not a split MTP drafter of {', '.join(SPLIT_HEADS)} (model_type {kind!r})")
     archs, head_cls = SPLIT_HEADS[kind]
     if arch not in archs:
         raise ValueError(f"{path} is a {kind} drafter, for {' or '.join(archs)} targets, not {arch}")
+    check_head_target(model, [target.args.num_hidden_layers - 1])  # the tap reads its last layer as the model runs
     where = checkpoint_keys(path)
     w = {head_name(k): v for k, v in read_tensors(where, list(where)).items()}
     check_fit(path, target, cfg.get("text_config") or {}, w)
