@@ -76,6 +76,10 @@ HEAD = {
     "kimi_linear",
     "gear",
     "olmo_hybrid",
+    # their decoder under `backbone`, read through `specnb.tap.text_model`'s view of it
+    "nemotron_h",
+    "mamba2",
+    "mamba",
 }
 
 

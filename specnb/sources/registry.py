@@ -243,7 +243,6 @@ _NO_TARGET = "mlx-lm has no {} target for it to draft for"
 NOT_READ = {
     "laguna_dflash": "mlx-vlm reads Laguna's drafter as model_type laguna with a dflash_config, and no other layout",
     "deepseek_v4_dspark": "mlx-lm has no deepseek_v4 target (its deepseek_v41 is another architecture)",
-    "nemotron_h_mtp": "its target keeps its decoder at model.backbone, which specnb's tap and heads do not read yet",
     "glm4_moe_lite_mtp": "not yet: mlx-vlm 0.7.10 splits it out but has no drafter to check it against",
     "deepseek_v4_mtp": "mlx-lm has no deepseek_v4 target (its deepseek_v41 is another architecture)",
     **{f"{t}_mtp": _NO_TARGET.format(t) for t in ("hy_v4", "inkling", "qwen4_exp", "glm5_next")},
