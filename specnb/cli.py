@@ -117,6 +117,13 @@ def _parser():
         help="keep tokens with at least this fraction of the top probability (default 0: off)",
     )
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument(
+        "--tree-budget",
+        type=int,
+        default=None,
+        help="draft a tree of at most N nodes per round, --num-draft-tokens deep, verified in one forward (default: "
+        "off, a chain)",
+    )
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     _rank_args(g)
     g.add_argument(
@@ -249,6 +256,8 @@ def cmd_generate(args, out=None, err=None):
     _check_sampling(args)
     ranks = _ranks(args, err)
     pair, provider, kind = load_drafting(args, loader=ranks.load if ranks else None)
+    if args.tree_budget is not None and provider is None:
+        raise ValueError("--tree-budget needs a draft: it means nothing with --draft-kind none")
     tok = pair.tokenizer
     # one seed everywhere; rank 0 prints
     if ranks:
@@ -283,6 +292,7 @@ def cmd_generate(args, out=None, err=None):
         eos_token_ids=tok.eos_token_ids,
         sampler=sampling if args.temp > 0 else None,
         acceptance=args.acceptance,
+        tree_budget=args.tree_budget,
         should_stop=watch.beat if watch else None,
     )
     with watch or nullcontext(), stream:

@@ -24,6 +24,7 @@ from .caches.rollback import can_take, check_rollbackable, rollback
 from .caches.recurrent import spec_cache
 from .sources.base import TargetView
 from .tap import Tap
+from . import tree_round as trees
 
 # %% ../nbs/07_executor.ipynb #8f092f84
 @dataclass
@@ -66,11 +67,11 @@ class SpecStats:
     def tokens_per_call(self) -> float:
         return self.generated / self.target_calls if self.target_calls else 0.0
 
-    def count_round(self, d: int, k: int):
-        "Count one verify window: `d` drafts proposed, the first `k` of them accepted."
+    def count_round(self, d: int, k: int, nodes: int | None = None):
+        "Count one verify window: `d` drafts proposed (a tree: `d` deep, of `nodes`), the first `k` of them accepted."
         self.target_calls += 1
         self.rounds += 1
-        self.drafted += d
+        self.drafted += d if nodes is None else nodes
         self.accepted += k
         self.accepted_lengths.append(k)
         for i in range(d):
@@ -123,6 +124,7 @@ def spec_options(
     draft_cache=None,  # a previous result's `draft_cache`, holding the same tokens as `prompt_cache`
     prefill_step_size: int = 2048,  # prompt tokens per prefill forward (mlx-lm's `speculative_generate_step` uses 512)
     acceptance: str = "match",  # "match": keep a draft the target samples too; "rejection": speculative sampling
+    tree_budget: int | None = None,  # draft trees of at most this many nodes, `num_draft_tokens` deep; None: chains
     should_stop=None,  # asked between prefill chunks; True abandons the request ("cancelled")
     # per emitted token, its log-probability and this many alternatives (`res.logprobs`); None: none
     logprobs: int | None = None,
@@ -188,6 +190,7 @@ class SpecRequest:
     pending: int | None = None  # the last token the target has not read
     feed: list | None = None  # the tokens the draft has not read
     scores: list | None = None  # with `logprobs`: the round's `(logprob, top)` per token, from `accept_drafts`
+    tree: object = None  # a tree round's `TreeRound` (specnb.tree_round): the tree, its root's position, the path
 
     @property
     def out(self) -> list:
@@ -256,6 +259,7 @@ def open_request(
     st.rule = "rejection" if rejection else "match"
     if provider is not None:
         check_rollbackable(cache)
+        trees.check_tree_request(o, cache)
         r.source = provider.open(
             sampler=o.sampler,
             logits_processors=r.procs,
@@ -347,8 +351,10 @@ def accept_drafts(
 def _rollback(r: SpecRequest, d: int, kept: int, before: int):
     """The target keeps `pending` and the first `kept` drafts: its cache and the tap give back the other `d - kept`
     positions."""
-    rollback(r.cache, d - kept)
     r.res.fed = before + kept
+    if r.tree is not None:  # a tree round: the caches and the tap keep the root and the path's first `kept` nodes
+        return trees.keep_tree(r, kept)
+    rollback(r.cache, d - kept)
     if r.tap:
         r.tap.trim(d - kept)
 
@@ -419,10 +425,10 @@ def _speculate(r: SpecRequest):
         r.feed = [r.full[0], r.pending]
     while True:
         n = min(r.o.num_draft_tokens, r.o.max_tokens - len(r.out))
-        if not can_take(r.cache, n + 1):  # a sliding window is about to wrap: rollback would be impossible
+        if not can_take(r.cache, (r.o.tree_budget or n) + 1):  # a sliding window is about to wrap: rollback would fail
             r.res.stats.fallback_at = len(r.out)
             return False
-        if (yield from _round(r, n)):
+        if (yield from trees.tree_round(r, n, emit_tokens) if r.o.tree_budget else _round(r, n)):
             return True
 
 # %% ../nbs/07_executor.ipynb #55ac33c1
@@ -434,12 +440,8 @@ def close_request(
     if r.source is not None:
         # a cut-short prefill holds nothing worth saving
         if r.o.prompt_cache is not None and r.res.finish_reason != "cancelled":
-            held = r.full + r.out[: r.res.fed]
-            if r.tap is None:
-                r.res.draft_cache = r.source.save(held)
-            # and the kept rows it has not read
-            else:
-                r.res.draft_cache = r.source.save(held, anchor_hidden=r.tap.take())
+            held = r.full + r.out[: r.res.fed]  # and, with a tap, the kept rows it has not read
+            r.res.draft_cache = r.source.save(held, anchor_hidden=r.tap.take() if r.tap else None)
         r.source.close()
     r.res.stats.generated = len(r.out)
     r.res.stats.decode_s = time.perf_counter() - t1
@@ -513,7 +515,7 @@ def spec_generate(
     return stream.result
 
 
-DRAFT_OPTIONS = ("num_draft_tokens", "acceptance", "draft_cache")
+DRAFT_OPTIONS = ("num_draft_tokens", "acceptance", "draft_cache", "tree_budget")
 
 
 @delegates(spec_generate, but=DRAFT_OPTIONS)

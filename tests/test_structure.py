@@ -205,6 +205,7 @@ TOP_LEVEL = {  # module -> its job
     "verify": "the verify forward",
     "accept": "the accept walk and the sampler",
     "tree": "draft trees: DDTree, the verify forward over a tree, the walk, the cache kept to the path",
+    "tree_round": "the executor's round over a draft tree: verify on every cache kind, the walk, the path kept",
     "tap": "the target's hidden states",
     "grammar": "grammar masks in the walk",
     "models": "loading models, the bundled pair, tiny random models",

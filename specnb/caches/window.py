@@ -190,6 +190,20 @@ def is_trimmable(self: SpecRotatingKVCache) -> bool:
     "mlx-lm's question: can *any* trim be undone? Only until a slot is reused (`trimmable()` then says how far)."
     return self._lo == 0
 
+# %% ../../nbs/04a_sliding_window.ipynb #2a9d7452
+@patch
+def keep(self: SpecRotatingKVCache, start: int, rows: list):
+    """Keep the positions `rows` (ascending, each at least `start`) at `start` onward and give back the rest: a draft
+    tree's accepted path, compacted in the ring."""
+    if self.offset - start > self.trimmable():
+        raise ValueError(f"cannot keep rows from {start}: the ring can give back only its last {self.trimmable()}")
+    if rows:
+        src = mx.array([p % self.capacity for p in rows])
+        dst = mx.array([(start + i) % self.capacity for i in range(len(rows))])
+        self.keys[..., dst, :] = self.keys[..., src, :]
+        self.values[..., dst, :] = self.values[..., src, :]
+    self.offset = start + len(rows)
+
 # %% ../../nbs/04a_sliding_window.ipynb #7d2869d2
 @patch
 def reserve(self: SpecRotatingKVCache, n: int):

@@ -20,6 +20,8 @@ from .base import TargetView, compute_dtype, draft_distribution, draft_tokens, o
 from ..checkpoint import read_checkpoint, write_checkpoint
 from .chain import check_head_target
 from ..tap import text_model
+from fastcore.basics import patch
+from ..tree import Tree, ddtree
 
 # %% ../../nbs/05q_dflash.ipynb #68687d0e
 def default_layer_ids(target_layers: int, draft_layers: int) -> list:
@@ -469,3 +471,17 @@ class DFlashProvider:
         if target is None:
             raise ValueError(f"the {self.name} source reads the target: open it with target=TargetView(model, cache)")
         return self.source(self.drafter, target, sampler, grammar, self.check(target.model), self.p_min, self.context)
+
+# %% ../../nbs/05q_dflash.ipynb #8c1a363b
+@patch
+def draft_tree(self: DFlashSource, feed, n, budget, step=0, anchor_hidden=None):
+    "DDTree of at most `budget` nodes from the block's per-position distributions, at most `n` deep."
+    if (h := self.block_hidden(feed, n, anchor_hidden)) is None:
+        return Tree()
+    logits = self.drafter.logits(h, self.head).astype(mx.float32)
+    return ddtree(logits - mx.logsumexp(logits, axis=-1, keepdims=True), budget)
+
+
+@patch
+def commit_tree(self: DFlashSource, tree, path):
+    return len(path)  # it reads only `feed[-1]`; the path's rows come through the tap

@@ -14,6 +14,9 @@ from ..prefill import prefill_drain
 from ..caches.rollback import leaves, can_take, rollback
 from ..caches.recurrent import spec_cache
 from .base import TargetView, draft_distribution, draft_tokens
+from fastcore.basics import patch
+from mlx_lm.models.cache import KVCache
+from ..tree import Tree, keep_rows, tree_forward
 
 # %% ../../nbs/05a_two_model.ipynb #4462334a
 def _held(cache) -> int:
@@ -36,6 +39,7 @@ class TwoModelSource:
         )
         # sliding windows and recurrent state roll back
         self.p_min, self.cache, self.history, self.logits = p_min, spec_cache(model, 2), None, []
+        self.grown = None  # after `draft_tree`, until `commit_tree`: the tree's nodes it read, and where
 
     def prefill(self, prompt_ids, ctx=None):
         """Read the prompt, all but its last token (the first `feed`); `ctx`: saved caches already holding a prefix of
@@ -99,6 +103,8 @@ class TwoModelSource:
     def save(self, held, anchor_hidden=None):
         """Hand over the draft's cache holding exactly `held`: trim what the target rejected, read the one draft never
         read."""
+        if self.grown is not None:  # a tree round ended the request: its nodes are not a prefix of anything
+            keep_rows(self.cache, self.grown[0], [])
         have, cache = _held(self.cache), self.cache
         if have > len(held):
             rollback(cache, have - len(held))
@@ -136,3 +142,59 @@ class TwoModelProvider:
             check_vocab(target.model, self.draft_model)
             self._checked[id(target.model)] = target.model  # holding it keeps its id from being reused
         return TwoModelSource(self.draft_model, sampler, logits_processors, prefill_step_size, self.p_min, grammar)
+
+# %% ../../nbs/05a_two_model.ipynb #1bee592d
+TwoModelSource.tree_width = 4  # children offered per node, and nodes read per depth
+
+
+def _ancestors(parents: list, i: int) -> set:
+    out = set()
+    while (i := parents[i]) >= 0:
+        out.add(i)
+    return out
+
+
+@patch
+def draft_tree(self: TwoModelSource, feed, n, budget, step=0, anchor_hidden=None):
+    "Read `feed`, then grow a tree of at most `budget` nodes, `n` deep, by the draft's path probabilities (EAGLE-2)."
+    if not all(type(c) is KVCache for c in self.cache):
+        raise ValueError(f"the two-model source grows trees on full-attention drafts only, not {self.cache[0]!r}")
+    K, base = min(self.tree_width, budget), _held(self.cache) + len(feed)  # the root sits at base - 1
+    logits = self.model(mx.array(feed, mx.uint32)[None], cache=self.cache)[0, -1:]
+    score, depth, token, parent, frontier, read = [], [], [], [], [-1], []
+    for level in range(1, n + 1):
+        lp = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+        ids = mx.argsort(-lp, axis=-1)[:, :K]
+        ids, vals = ids.tolist(), mx.take_along_axis(lp, ids, axis=-1).tolist()
+        new = []
+        for u, row, vs in zip(frontier, ids, vals):
+            for t, v in zip(row, vs):
+                new.append(len(token))
+                score.append((score[u] if u >= 0 else 0.0) + min(v, 0.0))
+                depth.append(level), token.append(t), parent.append(u)
+        if level == n:
+            break
+        frontier = sorted(new, key=lambda i: -score[i])[:K]
+        seen = [[j in _ancestors(parent, i) for j in read] for i in frontier]  # each reads its own ancestors
+        mask = mx.concatenate(
+            [mx.ones((K, base), mx.bool_), mx.array(seen, mx.bool_).reshape(K, len(read)), mx.eye(K, dtype=mx.bool_)],
+            axis=1,
+        )
+        pos = mx.full((K,), base - 1 + level)
+        logits = tree_forward(self.model, [token[i] for i in frontier], pos, [mask] * len(self.cache), self.cache)
+        read += frontier
+    kept = sorted(range(len(token)), key=lambda i: (-score[i], depth[i]))[:budget]
+    kept.sort(key=lambda i: depth[i])  # parents before children
+    at = {i: j for j, i in enumerate(kept)}
+    self.grown = (base, read, kept)
+    return Tree([token[i] for i in kept], [at[parent[i]] if parent[i] >= 0 else -1 for i in kept])
+
+
+@patch
+def commit_tree(self: TwoModelSource, tree, path):
+    "Keep the path's nodes it read, in order after the root; how many (a prefix of `path`)."
+    base, read, kept = self.grown
+    rows = [base + read.index(kept[i]) for i in path if kept[i] in read]
+    keep_rows(self.cache, base, rows)
+    self.grown = None
+    return len(rows)
