@@ -98,7 +98,7 @@ def keep_tree_path(cache: list, start: int, path: list):
     rows = [start] + [start + 1 + i for i in path]
     for c in cache:
         if isinstance(c, SpecRotatingKVCache):
-            c.keep(start, rows)
+            c.compact(start, rows)
         else:
             keep_rows([c], start, rows)
 

@@ -192,7 +192,7 @@ def is_trimmable(self: SpecRotatingKVCache) -> bool:
 
 # %% ../../nbs/04a_sliding_window.ipynb #2a9d7452
 @patch
-def keep(self: SpecRotatingKVCache, start: int, rows: list):
+def compact(self: SpecRotatingKVCache, start: int, rows: list):
     """Keep the positions `rows` (ascending, each at least `start`) at `start` onward and give back the rest: a draft
     tree's accepted path, compacted in the ring."""
     if self.offset - start > self.trimmable():
