@@ -124,6 +124,11 @@ def _parser():
         help="draft a tree of at most N nodes per round, --num-draft-tokens deep, verified in one forward (default: "
         "off, a chain)",
     )
+    g.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache to this many bits (default: off)")
+    g.add_argument("--kv-group-size", type=int, default=None, help="elements per KV scale, with --kv-bits (default 64)")
+    g.add_argument(
+        "--quantized-kv-start", type=int, default=None, help="tokens before the KV turns quantized (default 5000)"
+    )
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     _rank_args(g)
     g.add_argument(
@@ -187,6 +192,26 @@ def _parser():
     return p
 
 # %% ../nbs/07a_cli.ipynb #5bce9b31
+def _kv_options(args) -> dict:
+    "The quantized-KV options of `spec_generate`; `--kv-group-size` and `--quantized-kv-start` need `--kv-bits`."
+    if args.kv_bits is None:
+        given = [
+            f
+            for f, v in (("--kv-group-size", args.kv_group_size), ("--quantized-kv-start", args.quantized_kv_start))
+            if v is not None
+        ]
+        if given:
+            raise ValueError(
+                f"{given[0]} applies with --kv-bits (a quantized KV cache); without it the cache is full precision"
+            )
+        return {}
+    return dict(
+        kv_bits=args.kv_bits,
+        kv_group_size=64 if args.kv_group_size is None else args.kv_group_size,
+        quantized_kv_start=5000 if args.quantized_kv_start is None else args.quantized_kv_start,
+    )
+
+
 def _check_sampling(args):
     "Refuse the sampling options greedy decoding (`--temp 0`) would ignore."
     if args.temp > 0:
@@ -254,6 +279,7 @@ def cmd_generate(args, out=None, err=None):
     # bad values: a ValueError naming them
     sampling = Sampling(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     _check_sampling(args)
+    kv = _kv_options(args)
     ranks = _ranks(args, err)
     pair, provider, kind = load_drafting(args, loader=ranks.load if ranks else None)
     if args.tree_budget is not None and provider is None:
@@ -293,6 +319,7 @@ def cmd_generate(args, out=None, err=None):
         sampler=sampling if args.temp > 0 else None,
         acceptance=args.acceptance,
         tree_budget=args.tree_budget,
+        **kv,
         should_stop=watch.beat if watch else None,
     )
     with watch or nullcontext(), stream:

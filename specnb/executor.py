@@ -22,6 +22,7 @@ from .verify import verify_forward
 from .accept import accept_walk, sample_one, processed_logits, position_logprobs
 from .caches.rollback import can_take, check_rollbackable, rollback
 from .caches.recurrent import spec_cache
+from .caches.quantized import quantize_cache, cap_window
 from .sources.base import TargetView
 from .tap import Tap
 from . import tree_round as trees
@@ -125,6 +126,9 @@ def spec_options(
     prefill_step_size: int = 2048,  # prompt tokens per prefill forward (mlx-lm's `speculative_generate_step` uses 512)
     acceptance: str = "match",  # "match": keep a draft the target samples too; "rejection": speculative sampling
     tree_budget: int | None = None,  # draft trees of at most this many nodes, `num_draft_tokens` deep; None: chains
+    kv_bits: int | None = None,  # quantize the KV cache (the target's, a draft model's) to this many bits; None: off
+    kv_group_size: int = 64,  # elements per quantization scale (mlx-lm's `kv_group_size`)
+    quantized_kv_start: int = 5000,  # the KV cache turns quantized at this many tokens (mlx-lm's default; see 04f)
     should_stop=None,  # asked between prefill chunks; True abandons the request ("cancelled")
     # per emitted token, its log-probability and this many alternatives (`res.logprobs`); None: none
     logprobs: int | None = None,
@@ -144,8 +148,7 @@ def _check_args(prompt, num_draft_tokens, max_tokens, acceptance, sampler):
     if acceptance == "rejection" and sampler is not None and not hasattr(sampler, "logprobs"):
         raise ValueError(
             "acceptance='rejection' needs a sampler that exposes its distribution: pass specnb.Sampling(temp, top_p, "
-            "min_p, top_k), "
-            "which samples exactly as mlx-lm's make_sampler does"
+            "min_p, top_k), which samples exactly as mlx-lm's make_sampler does"
         )
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else [int(t) for t in prompt]
     if not prompt:
@@ -244,7 +247,7 @@ def open_request(
     "A request ready to prefill: the options checked, the target's cache, the source opened (and its tap)."
     prompt = _check_args(prompt, o.num_draft_tokens, o.max_tokens, o.acceptance, o.sampler)
     _check_logprobs(o)
-    cache = _target_cache(model, provider, o)
+    cache = quantize_cache(_target_cache(model, provider, o), o.kv_bits, o.kv_group_size, o.quantized_kv_start)
     full = list(o.cached_tokens or ()) + prompt
     eos = set(o.eos_token_ids or ()) | set(getattr(o.grammar, "stop_token_ids", ()))
     # greedy: p and q are point masses and both rules are exact match
@@ -417,14 +420,13 @@ def _round(r: SpecRequest, n: int):
 
 # %% ../nbs/07_executor.ipynb #3c72832d
 def _speculate(r: SpecRequest):
-    """Rounds until generation ends (True), or until a sliding window would wrap and plain decoding must take over
-    (False)."""
+    "Rounds until generation ends (True), or until a sliding window would wrap and plain decoding takes over (False)."
     if len(r.full) == 1:
         if (yield from _plain_steps(r, 1, r.watch)):
             return True
         r.feed = [r.full[0], r.pending]
     while True:
-        n = min(r.o.num_draft_tokens, r.o.max_tokens - len(r.out))
+        n = cap_window(r.cache, min(r.o.num_draft_tokens, r.o.max_tokens - len(r.out)))
         if not can_take(r.cache, (r.o.tree_budget or n) + 1):  # a sliding window is about to wrap: rollback would fail
             r.res.stats.fallback_at = len(r.out)
             return False

@@ -27,32 +27,39 @@ from .memory import mib, parse_bytes
 from ..serve_options import ServeOptions
 from .engine import Engine, log
 from .replies import echo_texts, respond
+from . import messages, responses
 
 # %% ../../nbs/08g_app.ipynb #94f157f4
+def _shaped(path: str, e: APIError) -> JSONResponse:
+    "The error in its route's API's shape: Anthropic's on `/v1/messages`, OpenAI's elsewhere."
+    return messages.error_response(e) if path.startswith("/v1/messages") else e.response()
+
+
 def _add_error_handlers(app: FastAPI, engine: Engine):
-    """Answer every error with OpenAI's error object, counting refused requests by reason; the process never goes down
-    with a request."""
+    """Answer every error with OpenAI's error object (Anthropic's on `/v1/messages`), counting refused requests by
+    reason; the process never goes down with a request."""
 
     @app.exception_handler(APIError)
     async def _api_error(request, e):
         if e.status in (400, 404):
             engine.metrics.refused.labels(e.code or "bad_request").inc()
-        return e.response()
+        return _shaped(request.url.path, e)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e):
         engine.metrics.refused.labels("bad_request").inc()
-        return validation_error(e).response()
+        return _shaped(request.url.path, validation_error(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):
         # 405 keeps its Allow
-        return APIError(e.status_code, f"{e.detail}: {request.method} {request.url.path}", headers=e.headers).response()
+        e = APIError(e.status_code, f"{e.detail}: {request.method} {request.url.path}", headers=e.headers)
+        return _shaped(request.url.path, e)
 
     @app.exception_handler(Exception)
     async def _unexpected(request, e):
         log.exception("unexpected error")
-        return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
+        return _shaped(request.url.path, APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
 # %% ../../nbs/08g_app.ipynb #1f3f14a5
 class Guard:
@@ -90,6 +97,8 @@ class Guard:
     def _check(self, path: str, headers: dict) -> APIError | None:
         if self.api_key is not None and path.startswith("/v1"):
             given = headers.get(b"authorization", b"").decode("latin-1")
+            if path.startswith("/v1/messages") and b"x-api-key" in headers:  # how Anthropic's clients send the key
+                given = "Bearer " + headers[b"x-api-key"].decode("latin-1")
             scheme, _, key = given.partition(" ")
             if not given:
                 return _unauthorized(
@@ -116,7 +125,7 @@ class Guard:
         self.engine.metrics.refused.labels(e.code).inc()
         # what is left of the body must not be read as a next request
         e.headers = {**(e.headers or {}), "Connection": "close"}
-        await e.response()(scope, receive, send)
+        await _shaped(scope["path"], e)(scope, receive, send)
 
 
 def _unauthorized(message: str) -> APIError:
@@ -128,24 +137,45 @@ def _masked(key: str) -> str:
 
 # %% ../../nbs/08g_app.ipynb #b947a0ce
 def _add_routes(app: FastAPI, engine: Engine):
-    "OpenAI's chat, completions and models endpoints, and `/health` and `/metrics`."
+    """OpenAI's chat, completions, responses and models endpoints, Anthropic's messages, and `/health` and
+    `/metrics`."""
+    kept = responses.ResponseStore()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request):
+    async def prompt_of(req: ChatRequest) -> tuple:
+        "`(prompt, tools)` of a chat request: its conversation through the chat template, off the loop."
         check_model(engine.limits, req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         tools = tool_dicts(req)
-        prompt = await run_in_threadpool(
-            chat_prompt,
-            engine.limits,
-            req.messages,
-            asked_tokens(req) or 1,
-            req.chat_template_kwargs,
-            req.reasoning_effort,
-            tools,
-        )  # off the loop
-        return await respond(engine, req, "chat", [prompt], request, tools=tools)
+        args = (req.messages, asked_tokens(req) or 1, req.chat_template_kwargs, req.reasoning_effort, tools)
+        return await run_in_threadpool(chat_prompt, engine.limits, *args), tools
+
+    async def chat_turn(req: ChatRequest, request: Request) -> tuple:
+        "`(prompt length, answer)` of a chat request: the one path the Messages and Responses routes translate to."
+        prompt, tools = await prompt_of(req)
+        return len(prompt), await respond(engine, req, "chat", [prompt], request, tools=tools)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        return (await chat_turn(req, request))[1]
+
+    @app.post("/v1/messages")
+    async def create_message(req: messages.MessagesRequest, request: Request):
+        return messages.answer_message(req, *await chat_turn(messages.chat_request(req), request))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(req: messages.CountTokensRequest):
+        return {"input_tokens": len((await prompt_of(messages.chat_request(req)))[0])}
+
+    @app.post("/v1/responses")
+    async def create_response(req: responses.ResponsesRequest, request: Request):
+        chat, conversation = responses.chat_request(req, kept)
+        answer = await chat_turn(chat, request)
+        return responses.answer_response(req, conversation, kept, engine.tokenizer, *answer)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return kept.get(response_id)[0]
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -206,7 +236,7 @@ _ERROR_SCHEMA = {
 _ERRORS = {
     400: "Invalid request",
     401: "Missing or wrong API key",
-    404: "Unknown model",
+    404: "Unknown model, or no such stored response",
     413: "Body too large",
     500: "Generation failed",
     503: "Busy, stopping, or the worker stopped",
@@ -243,30 +273,43 @@ def _openapi(app: FastAPI) -> dict:
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     schemas["Error"] = _ERROR_SCHEMA
-    schemas.update(ANSWERS)
+    schemas.update(ANSWERS | messages.SCHEMAS | responses.SCHEMAS)
     # an empty prompt is refused ("prompt is empty"): the schema says so, in each of its forms
     for alt in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
         alt["minLength" if alt.get("type") == "string" else "minItems"] = 1
         if alt.get("items", {}).get("type") in ("string", "array"):
             alt["items"]["minLength" if alt["items"]["type"] == "string" else "minItems"] = 1
-    error = lambda why: {
+    shape = lambda path: "AnthropicError" if path.startswith("/v1/messages") else "Error"
+    error = lambda why, path: {
         "description": why,
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape(path)}"}}},
     }
     for path, ops in s["paths"].items():
         for op in ops.values():
             op["responses"].pop("422", None)
             if path.startswith("/v1/") and "requestBody" in op:
-                op["responses"].update({str(k): error(v) for k, v in _ERRORS.items()})
-    for path in ("/v1/completions", "/v1/chat/completions"):  # stream: true answers with server-sent events
+                op["responses"].update({str(k): error(v, path) for k, v in _ERRORS.items()})
+    s["paths"]["/v1/responses/{response_id}"]["get"]["responses"]["404"] = error("No such stored response", "")
+    answers = {
+        "/v1/completions": "Completion",
+        "/v1/chat/completions": "ChatCompletion",
+        "/v1/messages": "AnthropicMessage",
+    }
+    answers |= {"/v1/responses": "Response", "/v1/messages/count_tokens": "MessageTokensCount"}
+    for path, answer in answers.items():  # stream: true answers with server-sent events
         ok = s["paths"][path]["post"]["responses"]["200"]
-        ok["description"] = (
-            "The answer: one JSON body, or with stream: true server-sent events, `data: {chunk}` each, ending `data: "
-            "[DONE]`"
-        )
-        ok["content"]["text/event-stream"] = {"schema": {}}
-        answer = "Completion" if path == "/v1/completions" else "ChatCompletion"
+        if path.startswith("/v1/chat") or path == "/v1/completions":
+            ok["description"] = (
+                "The answer: one JSON body, or with stream: true server-sent events, `data: {chunk}` each, ending "
+                "`data: [DONE]`"
+            )
+        elif path != "/v1/messages/count_tokens":
+            ok["description"] = "The answer: one JSON body, or with stream: true the API's server-sent events"
+        if path != "/v1/messages/count_tokens":
+            ok["content"]["text/event-stream"] = {"schema": {}}
         ok["content"]["application/json"] = {"schema": {"$ref": f"#/components/schemas/{answer}"}}
+    got = s["paths"]["/v1/responses/{response_id}"]["get"]["responses"]["200"]
+    got["content"]["application/json"] = {"schema": {"$ref": "#/components/schemas/Response"}}
     s["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"] = {
         "schema": {"$ref": "#/components/schemas/ModelList"}
     }

@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 import mlx.core as mx, mlx.nn as nn
+from fastcore.basics import patch
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
@@ -20,6 +21,7 @@ from mlx_lm.models.cache import CacheList, KVCache
 from ..models import bundled_dir
 from ..caches.recurrent import spec_cache
 from ..tap import arch_name, check_tappable, probe_tap, text_model
+from ..tree import Expansion, Tree, at_positions
 from .base import TargetView, draft_distribution, draft_tokens, output_head, output_layer
 
 # %% ../../nbs/05e_head.ipynb #82af87f1
@@ -363,3 +365,41 @@ class HeadProvider:
             raise ValueError("the head source reads the target: open it with target=TargetView(model, cache)")
         self.check(target.model)
         return HeadSource(self.head, target, sampler, grammar)
+
+# %% ../../nbs/05e_head.ipynb #d51e06e7
+HeadSource.tree_width = 4  # in a tree round: children offered per node, and nodes read per depth
+
+
+@patch
+def draft_tree(self: HeadSource, feed, n, budget, step=0, anchor_hidden=None) -> Tree:
+    """Read `feed` and the kept rows as `draft` does, then grow EAGLE-2's tree of at most `budget` nodes, `n` deep: at
+    each depth one head forward over the likeliest newest nodes, each attending to the context and its own ancestors."""
+    self.note(feed)
+    self.last = self._read(anchor_hidden, self.tokens)
+    self.check_lockstep()
+    self.out, self.logits = [], []
+    if n == 0 or self.last is None:
+        return Tree()
+    g, k, start = Expansion(), min(self.tree_width, budget), self.cache.offset
+    front, outs = [-1], self.last[:, -1:]  # the nodes read last (the root), and the head's outputs at them
+    new = g.offer(front, nn.log_softmax(self.readout(outs[0]).astype(mx.float32)), k)
+    for depth in range(1, n):
+        if not new:
+            break
+        row = {u: j for j, u in enumerate(front)}
+        front = g.best(new, k)
+        mask = mx.concatenate([mx.ones((len(front), start), mx.bool_), g.expand(front)], axis=1)
+        feature = outs[:, mx.array([row[g.parents[i]] for i in front])]
+        tokens = self.embed(mx.array([[g.tokens[i] for i in front]], mx.uint32))
+        with at_positions(self.head, mx.full((len(front),), start + depth - 1)):
+            outs = self.head(feature, tokens, mask=mask, cache=self.cache)
+        new = g.offer(front, nn.log_softmax(self.readout(outs[0]).astype(mx.float32)), k)
+    self.cache.trim(self.cache.offset - start)  # the tree's entries out: the path's rows come next round
+    self.grown = g  # the last tree as it grew (for a look inside)
+    return g.tree(budget)
+
+
+@patch
+def commit_tree(self: HeadSource, tree, path) -> int:
+    "Nothing of the tree stays: the path's nodes come back in the feed, with the target's rows for them (0 read)."
+    return 0

@@ -13,6 +13,7 @@ from ..models import check_vocab
 from ..prefill import prefill_drain
 from ..caches.rollback import leaves, can_take, rollback
 from ..caches.recurrent import spec_cache
+from ..caches.quantized import quantize_cache, kv_options
 from .base import TargetView, draft_distribution, draft_tokens
 from fastcore.basics import patch
 from mlx_lm.models.cache import KVCache
@@ -29,7 +30,9 @@ class TwoModelSource:
 
     tap_layers = None
 
-    def __init__(self, model, sampler=None, logits_processors=None, prefill_step_size=2048, p_min=None, grammar=None):
+    def __init__(
+        self, model, sampler=None, logits_processors=None, prefill_step_size=2048, p_min=None, grammar=None, kv=None
+    ):
         self.model, self.sampler, self.procs, self.step_size, self.grammar = (
             model,
             sampler,
@@ -39,6 +42,8 @@ class TwoModelSource:
         )
         # sliding windows and recurrent state roll back
         self.p_min, self.cache, self.history, self.logits = p_min, spec_cache(model, 2), None, []
+        self.kv = kv or {}  # the target's quantized-KV options (04f): the draft's KV quantizes the same way
+        quantize_cache(self.cache, **self.kv)
         self.grown = None  # after `draft_tree`, until `commit_tree`: the tree's nodes it read, and where
 
     def prefill(self, prompt_ids, ctx=None):
@@ -46,7 +51,7 @@ class TwoModelSource:
         it."""
         prompt_ids = list(prompt_ids)
         if ctx:
-            self.cache = spec_cache(self.model, 2, ctx)
+            self.cache = quantize_cache(spec_cache(self.model, 2, ctx), **self.kv)
         held = _held(self.cache)
         if held >= len(prompt_ids):
             raise ValueError(
@@ -141,7 +146,8 @@ class TwoModelProvider:
         if target is not None and id(target.model) not in self._checked:
             check_vocab(target.model, self.draft_model)
             self._checked[id(target.model)] = target.model  # holding it keeps its id from being reused
-        return TwoModelSource(self.draft_model, sampler, logits_processors, prefill_step_size, self.p_min, grammar)
+        kv = kv_options(target.cache) if target is not None else None
+        return TwoModelSource(self.draft_model, sampler, logits_processors, prefill_step_size, self.p_min, grammar, kv)
 
 # %% ../../nbs/05a_two_model.ipynb #1bee592d
 TwoModelSource.tree_width = 4  # children offered per node, and nodes read per depth
