@@ -31,7 +31,14 @@ class TwoModelSource:
     tap_layers = None
 
     def __init__(
-        self, model, sampler=None, logits_processors=None, prefill_step_size=2048, p_min=None, grammar=None, kv=None
+        self,
+        model,
+        sampler=None,
+        logits_processors=None,
+        prefill_step_size=2048,
+        p_min=None,
+        grammar=None,
+        target_cache=None,  # the target's caches: the draft's KV quantizes as they do (04f), read once the prompt is
     ):
         self.model, self.sampler, self.procs, self.step_size, self.grammar = (
             model,
@@ -42,16 +49,16 @@ class TwoModelSource:
         )
         # sliding windows and recurrent state roll back
         self.p_min, self.cache, self.history, self.logits = p_min, spec_cache(model, 2), None, []
-        self.kv = kv or {}  # the target's quantized-KV options (04f): the draft's KV quantizes the same way
-        quantize_cache(self.cache, **self.kv)
+        # the target's quantized-KV options, read at `prefill`: a batched request's caches exist only once it is open
+        self.target_cache, self.kv = target_cache, {}
         self.grown = None  # after `draft_tree`, until `commit_tree`: the tree's nodes it read, and where
 
     def prefill(self, prompt_ids, ctx=None):
         """Read the prompt, all but its last token (the first `feed`); `ctx`: saved caches already holding a prefix of
         it."""
         prompt_ids = list(prompt_ids)
-        if ctx:
-            self.cache = quantize_cache(spec_cache(self.model, 2, ctx), **self.kv)
+        self.kv = kv_options(self.target_cache)
+        self.cache = quantize_cache(spec_cache(self.model, 2, ctx) if ctx else self.cache, **self.kv)
         held = _held(self.cache)
         if held >= len(prompt_ids):
             raise ValueError(
@@ -146,8 +153,10 @@ class TwoModelProvider:
         if target is not None and id(target.model) not in self._checked:
             check_vocab(target.model, self.draft_model)
             self._checked[id(target.model)] = target.model  # holding it keeps its id from being reused
-        kv = kv_options(target.cache) if target is not None else None
-        return TwoModelSource(self.draft_model, sampler, logits_processors, prefill_step_size, self.p_min, grammar, kv)
+        cache = target.cache if target is not None else None
+        return TwoModelSource(
+            self.draft_model, sampler, logits_processors, prefill_step_size, self.p_min, grammar, cache
+        )
 
 # %% ../../nbs/05a_two_model.ipynb #1bee592d
 TwoModelSource.tree_width = 4  # children offered per node, and nodes read per depth
