@@ -92,3 +92,17 @@ def fast_env():
     """The environment for child processes: OpenBLAS preloaded (with the kernels pinned above) where the machine has it,
     since notebooks import MLX before specnb."""
     return openblas_env() if OPENBLAS.exists() else dict(os.environ)
+
+
+def sse_events(url: str, path: str, body: dict, headers: dict | None = None) -> list:
+    "`(event name, data)` of a streamed answer from `path` of the server at `url`, read as raw server-sent events."
+    import httpx
+
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, headers=headers, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        text = r.read().decode()
+    out = []
+    for ev in text.strip().split("\n\n"):
+        name, data = ev.split("\n")
+        out.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out

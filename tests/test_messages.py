@@ -11,6 +11,7 @@ import json, re
 import anthropic, httpx, jsonschema, openai, pytest
 from specnb.serve.answer import qwen_style_folder
 from specnb.serve.harness import running_server
+from conftest import sse_events
 
 pytestmark = pytest.mark.xdist_group("test_messages")  # the tests share one module-scoped server: one worker, in order
 
@@ -52,15 +53,7 @@ def blocks(message) -> list:
 
 def events(url, body) -> list:
     "`(event name, data)` of a streamed answer, read as raw server-sent events."
-    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
-    with httpx.stream("POST", url + "/v1/messages", json={**body, "stream": True}, headers=headers, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        text = r.read().decode()
-    out = []
-    for ev in text.strip().split("\n\n"):
-        name, data = ev.split("\n")
-        out.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return out
+    return sse_events(url, "/v1/messages", body, {"x-api-key": KEY, "anthropic-version": "2023-06-01"})
 
 
 # Anthropic's order: start, then blocks (each start, deltas, stop; a ping after the first start), then delta and stop

@@ -11,6 +11,7 @@ import json, re
 import httpx, jsonschema, openai, pytest
 from specnb.serve.answer import qwen_style_folder
 from specnb.serve.harness import running_server
+from conftest import sse_events
 
 pytestmark = pytest.mark.xdist_group("test_responses")  # the tests share one module-scoped server: one worker, in order
 
@@ -47,14 +48,7 @@ def chat_answer(client, messages, max_tokens, **kw):
 
 def raw_events(url, body) -> list:
     "`(event name, data)` of a streamed answer, read as raw server-sent events."
-    with httpx.stream("POST", url + "/v1/responses", json={**body, "stream": True}, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        text = r.read().decode()
-    out = []
-    for ev in text.strip().split("\n\n"):
-        name, data = ev.split("\n")
-        out.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return out
+    return sse_events(url, "/v1/responses", body)
 
 
 # the Responses events in order: created, in_progress, items (each: added, its part or arguments, done), the end

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from fastapi.responses import JSONResponse
 from fastcore.basics import patch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
-from .protocol import APIError, ChatRequest
+from .protocol import APIError, ChatRequest, as_chat
 
 # %% ../../nbs/08h_messages.ipynb #437f7dbc
 class _Body(BaseModel):
@@ -330,12 +330,7 @@ def chat_request(req: CountTokensRequest) -> ChatRequest:
         }
     if isinstance(req, MessagesRequest):
         body |= _sampling(req)
-    try:
-        return ChatRequest.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise APIError(400, f"this request has no chat equivalent: {where}: {err['msg']}", "messages") from None
+    return as_chat(body, "messages")
 
 # %% ../../nbs/08h_messages.ipynb #c2459aab
 def tool_id(call_id: str) -> str:

@@ -7,14 +7,14 @@ Docs: https://specnb.github.io/specnb/protocol.html.md"""
 # %% auto #0
 __all__ = ['ANSWERS', 'APIError', 'speculation_usage', 'usage', 'merged_usage', 'JSONSchemaFormat', 'ResponseFormat',
            'StreamOptions', 'TextPart', 'Prediction', 'Function', 'Tool', 'FunctionName', 'NamedToolChoice',
-           'BaseRequest', 'Message', 'ChatRequest', 'CompletionRequest', 'validation_error', 'Reply']
+           'BaseRequest', 'Message', 'ChatRequest', 'CompletionRequest', 'validation_error', 'as_chat', 'Reply']
 
 # %% ../../nbs/08c_protocol.ipynb #78ecb901
 import time, uuid
 from typing import Annotated, Literal
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 # %% ../../nbs/08c_protocol.ipynb #d9fb03c6
 class APIError(Exception):
@@ -354,6 +354,17 @@ def validation_error(e: RequestValidationError) -> APIError:
         return APIError(400, _json_message(errs[0], e.body))
     param = ".".join(str(x) for x in errs[0].get("loc", ())[1:2])
     return APIError(400, _error_message(errs[0]), param or None)
+
+
+def as_chat(body: dict, param: str) -> ChatRequest:
+    """A request of another API (Anthropic's Messages, OpenAI's Responses) translated to `body`, as the chat request it
+    means; a 400 naming `param` and where it has no chat equivalent."""
+    try:
+        return ChatRequest.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise APIError(400, f"this request has no chat equivalent: {where}: {err['msg']}", param) from None
 
 # %% ../../nbs/08c_protocol.ipynb #0d8688f4
 def _chat_delta(delta: dict) -> dict:

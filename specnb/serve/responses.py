@@ -17,7 +17,7 @@ from collections import OrderedDict
 from typing import Annotated, Literal
 from fastcore.basics import patch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
-from .protocol import APIError, ChatRequest
+from .protocol import APIError, ChatRequest, as_chat
 
 # %% ../../nbs/08i_responses.ipynb #fc7a409f
 class _Body(BaseModel):
@@ -331,12 +331,7 @@ def chat_request(req: ResponsesRequest, store: ResponseStore) -> tuple:
         body["response_format"] = fmt
     if req.reasoning is not None and (effort := req.reasoning.effort) is not None:
         body["chat_template_kwargs"] = {"reasoning_effort": effort, "enable_thinking": effort != "none"}
-    try:
-        return ChatRequest.model_validate(body), conversation
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise APIError(400, f"this request has no chat equivalent: {where}: {err['msg']}", "input") from None
+    return as_chat(body, "input"), conversation
 
 # %% ../../nbs/08i_responses.ipynb #bdcf83b3
 def _echo(req: ResponsesRequest) -> dict:
