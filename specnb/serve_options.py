@@ -50,6 +50,19 @@ class ServeOptions:
     prompt_cache_bytes: str | None = option(
         None, "bytes the prompt cache may hold (default: a quarter of the memory budget)", type=str
     )
+    kv_bits: int | None = option(
+        None, "quantize the KV caches (the target's and a draft model's) to this many bits (default: off)", type=int
+    )
+    kv_group_size: int | None = option(None, "elements per KV scale, with --kv-bits (default 64)", type=int)
+    quantized_kv_start: int | None = option(
+        None, "tokens before a request's KV turns quantized, with --kv-bits (default 5000)", type=int, at_least=0
+    )
+    prompt_cache_dir: str | None = option(
+        None,
+        "also keep prompt-cache entries on disk in this folder, where a restarted server finds them (default: RAM only)",
+        type=str,
+    )
+    prompt_cache_disk_bytes: str = option("8GiB", "bytes the prompt cache may hold on disk, with --prompt-cache-dir")
     request_timeout: float | None = option(
         None, "stop a request after this many seconds from its arrival (default: none)", type=float
     )

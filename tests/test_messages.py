@@ -288,6 +288,8 @@ def test_keys_and_unknown_models(url, client):
     with pytest.raises(anthropic.AuthenticationError) as e:
         anthropic.Anthropic(base_url=url, api_key="sk-wrong", max_retries=0).messages.create(model=MODEL, **ask)
     assert e.value.body["error"]["type"] == "authentication_error"
+    bare = httpx.post(f"{url}/v1/messages", json={"model": MODEL, **ask}, timeout=30)  # no key: where one goes
+    assert bare.status_code == 401 and "x-api-key header" in bare.json()["error"]["message"], bare.text
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(model="claude-sonnet-4-5", **ask)
     assert e.value.body["error"]["type"] == "not_found_error" and "'claude-sonnet-4-5' is not served" in str(e.value)

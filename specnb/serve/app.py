@@ -97,13 +97,14 @@ class Guard:
     def _check(self, path: str, headers: dict) -> APIError | None:
         if self.api_key is not None and path.startswith("/v1"):
             given = headers.get(b"authorization", b"").decode("latin-1")
-            if path.startswith("/v1/messages") and b"x-api-key" in headers:  # how Anthropic's clients send the key
+            if path.startswith("/v1/messages") and headers.get(b"x-api-key"):  # how Anthropic's clients send the key
                 given = "Bearer " + headers[b"x-api-key"].decode("latin-1")
             scheme, _, key = given.partition(" ")
             if not given:
+                how = "an x-api-key header or " if path.startswith("/v1/messages") else ""
                 return _unauthorized(
-                    "You didn't provide an API key. You need to provide your API key in an Authorization header "
-                    "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+                    f"You didn't provide an API key. You need to provide your API key in {how}an Authorization "
+                    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
                 )
             if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
                 return _unauthorized(

@@ -248,7 +248,9 @@ def main(argv=None):
     p.add_argument("--eval-every", type=int, default=64)
     p.add_argument("--new-corpus", action="store_true", help="resume on this machine's corpus though its size differs")
     p.add_argument(
-        "--corpus", help="a corpus of one's own (.npz: train and heldout token streams; e.g. specnb.train.chat)"
+        "--corpus",
+        nargs="+",
+        help="a corpus of one's own (.npz: train and heldout token streams; e.g. specnb.train.chat); several are joined",
     )
     p.add_argument("--init-from", help="a new run starting from the drafter of this run folder (a second stage)")
     args = p.parse_args(argv)
@@ -260,8 +262,8 @@ def main(argv=None):
     # from one environment to the next
     kept = Path(args.folder) / "resume" / "corpus.npz"
     if kept.exists() or args.corpus:
-        with np.load(kept if kept.exists() else args.corpus) as z:
-            data = {s: z[s] for s in ("train", "heldout")}
+        parts = [np.load(f) for f in ([kept] if kept.exists() else args.corpus)]
+        data = {s: np.concatenate([z[s].astype(np.uint32) for z in parts]) for s in ("train", "heldout")}
     else:
         data = prose_and_code(Tokenizer.from_file(str(path / "tokenizer.json")), eos)
     if not kept.exists():
