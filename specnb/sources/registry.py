@@ -303,11 +303,16 @@ def drafting_options(args) -> dict:
 
 
 def default_draft_tokens(kind: str, draft_model=None) -> int:
-    """γ when `--num-draft-tokens` is not given: 3, or a DFlash or DSpark checkpoint's whole block (`block_size - 1`
-    drafts per forward)."""
+    """γ when `--num-draft-tokens` is not given: 3, a DFlash or DSpark checkpoint's whole block (`block_size - 1`
+    drafts per forward), or the drafts per round an EAGLE-3 checkpoint proposes (speculators' `speculative_tokens`)."""
+    from specnb.checkpoint import read_config
+
+    if kind.split("+")[0] == "eagle3" and draft_model is not None:
+        from specnb.sources.eagle3 import read_eagle3
+
+        return read_eagle3(read_config(draft_model) or {}).speculative_tokens
     if kind.split("+")[0] not in ("dflash", "dspark") or draft_model is None:
         return 3
-    from specnb.checkpoint import read_config
     from specnb.sources.dflash import read_dflash
     from specnb.sources.dflash_family import family_draft_tokens, family_kind
     from specnb.sources.gemma4_dspark import read_any_dspark
