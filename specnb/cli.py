@@ -193,23 +193,11 @@ def _parser():
 
 # %% ../nbs/07a_cli.ipynb #5bce9b31
 def _kv_options(args) -> dict:
-    "The quantized-KV options of `spec_generate`; `--kv-group-size` and `--quantized-kv-start` need `--kv-bits`."
-    if args.kv_bits is None:
-        given = [
-            f
-            for f, v in (("--kv-group-size", args.kv_group_size), ("--quantized-kv-start", args.quantized_kv_start))
-            if v is not None
-        ]
-        if given:
-            raise ValueError(
-                f"{given[0]} applies with --kv-bits (a quantized KV cache); without it the cache is full precision"
-            )
-        return {}
-    return dict(
-        kv_bits=args.kv_bits,
-        kv_group_size=64 if args.kv_group_size is None else args.kv_group_size,
-        quantized_kv_start=5000 if args.quantized_kv_start is None else args.quantized_kv_start,
-    )
+    """The quantized-KV options of `spec_generate` from `--kv-bits`, `--kv-group-size`, `--quantized-kv-start` (04f's
+    `kv_flags`: `generate` and `serve` check them alike, before any model loads)."""
+    from specnb.caches.quantized import kv_flags  # here: `specnb --help` and argument errors load no MLX
+
+    return kv_flags(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
 
 
 def _check_sampling(args):
@@ -353,6 +341,8 @@ def main(argv=None):
     try:
         if args.command == "generate":
             cmd_generate(args)
+        if args.command == "serve":
+            _kv_options(args)  # a bad --kv-bits (group size, start) ends it before any rank joins or model loads
         if args.command == "serve" and (ranks := _ranks(args, sys.stderr)):
             from specnb.serve.ranks import cmd_serve_ranks  # rank 0 serves HTTP, the other ranks follow it
 

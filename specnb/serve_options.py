@@ -59,7 +59,7 @@ class ServeOptions:
     )
     prompt_cache_dir: str | None = option(
         None,
-        "also keep prompt-cache entries on disk in this folder, where a restarted server finds them (default: RAM only)",
+        "also keep prompt-cache entries on disk in this folder, for a restarted server to reuse (default: RAM only)",
         type=str,
     )
     prompt_cache_disk_bytes: str = option("8GiB", "bytes the prompt cache may hold on disk, with --prompt-cache-dir")

@@ -19,6 +19,7 @@ from ..prefill import prefill_drain
 from ..caches.ragged import Slot, lend, take_back
 from ..caches.ragged_state import batch_cache
 from ..caches.rollback import leaves
+from ..caches.quantized import cap_window, take_rule
 from ..tap import Tap
 from ..accept import RandomStream
 from .sources import check_batchable, BatchedProvider, drafts_together, group_of, DraftGroup, HeadGroup
@@ -58,7 +59,8 @@ class _Row:
         return self.r.source is None or self.first_plain
 
     def budget(self) -> int:
-        return min(self.r.o.num_draft_tokens, self.r.o.max_tokens - len(self.r.out))
+        "Drafts this round may verify: a window that ends by the step where its KV turns quantized, as alone (04f)."
+        return cap_window(self.r.cache, min(self.r.o.num_draft_tokens, self.r.o.max_tokens - len(self.r.out)))
 
 # %% ../../nbs/07e_batch.ipynb #45ed8f7c
 class Batch:
@@ -172,6 +174,7 @@ def _join(self: Batch, q: _Reading):
     # mlx-lm's recurrent state (a plain request's) does not count its tokens
     for c in leaves(r.cache):
         c.offset = getattr(c, "offset", len(r.full) - 1)
+    take_rule(self.cache, r.cache)  # a quantized KV's rule (04f): the batch's rows share one
     r.cache = lend(r.cache, self.cache, slot)
     self.slots.append(slot)
     self.rows.append(w)

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from ..caches.rollback import leaves
 from fastcore.basics import patch
 from ..caches.ragged import RaggedKVCache, RowCache, Slot, lend, take_back
+from ..caches.quantized import take_rule
 from ..caches.ragged_state import batch_cache, unbatched_state
 from ..sources.base import TargetView
 from ..accept import sample_positions
@@ -137,6 +138,7 @@ class DraftGroup:
         """Move the source's draft caches into a new row; the source now reads and trims them through views. Returns
         `(slot, own caches)`."""
         slot, own = Slot(len(self.slots)), src.cache
+        take_rule(self.cache, own)  # a draft model's quantized KV (04f)
         src.cache = lend(own, self.cache, slot)
         self.slots.append(slot)
         return slot, own
@@ -180,7 +182,8 @@ def draft_group(group: DraftGroup, ws: list, ns: list) -> tuple:
     x = mx.array([f + [0] * (width - len(f)) for f in feeds], mx.uint32)
     for w in ws:
         w.r.source.logits = []
-    for s in range(max(ns)):
+    steps = max(*ns, 1)  # a row asked for no drafts still reads its feed
+    for s in range(steps):
         logits = group.model(x, cache=group.cache)
         if s == 0:  # each row gives back the padding after its feed, and samples after the feed's last token
             for layer in group.cache:
@@ -190,6 +193,8 @@ def draft_group(group: DraftGroup, ws: list, ns: list) -> tuple:
             logits = logits[:, -1]
         for i, w in enumerate(ws):
             if s >= ns[i]:
+                if s == 0 and w.r.source.procs:  # asked for none, it still reads its feed (its source's `draft`)
+                    w.r.source.history = mx.concatenate([w.r.source.history, mx.array(feeds[i], mx.uint32)])
                 continue  # done: it reads its last draft again, and gives it back below
             try:
                 if i in failed:
@@ -201,12 +206,12 @@ def draft_group(group: DraftGroup, ws: list, ns: list) -> tuple:
             except Exception as e:
                 failed[i] = e
                 outs[i].append(mx.zeros((1,), mx.uint32))
-        x = mx.stack([o[-1] for o in outs])
+        x = mx.stack([o[-1] if o else mx.zeros((1,), mx.uint32) for o in outs])
         mx.async_eval(x)
     # each read its feed and n-1 drafts
     for layer in group.cache:
-        layer.ends = [e - (max(ns) - n) for e, n in zip(layer.ends, ns)]
-    return [mx.concatenate(o) for o in outs], failed
+        layer.ends = [e - (steps - max(n, 1)) for e, n in zip(layer.ends, ns)]
+    return [mx.concatenate(o) if o else [] for o in outs], failed
 
 
 @patch

@@ -168,6 +168,11 @@ class RowCache:
     def trimmable(self) -> int:
         return self.layer.trimmable(self.slot.index)
 
+    @property
+    def due_at(self) -> int | None:
+        "The offset from which the row's forwards attend quantized keys (04f's `cap_window` reads it); None: never."
+        return getattr(self.layer, "due_at", None)
+
     def trim(self, n: int) -> int:
         "Give back the row's last `n` tokens (at most `trimmable()`); returns how many."
         n = max(0, min(n, self.trimmable()))

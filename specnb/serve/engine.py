@@ -95,13 +95,19 @@ class Metrics:
         return generate_latest(self.registry)
 
 # %% ../../nbs/08f_engine.ipynb #3f312dec
-def batch_limit(model, provider, n: int, num_draft_tokens: int = 3) -> tuple:
-    "`(requests per batch, why not more)`: `n`, or 1 with the reason when batched rounds refuse this pair (a trial)."
+def batch_limit(model, provider, n: int, num_draft_tokens: int = 3, kv: dict | None = None) -> tuple:
+    """`(requests per batch, why not more)`: `n`, or 1 with the reason when batched rounds refuse this pair (a trial,
+    with the server's quantized-KV options `kv`)."""
     if n <= 1:
         return 1, None
     try:
         spec_generate_batch(
-            model, provider, [[1, 2, 3, 4], [5, 6, 7]], max_tokens=2, num_draft_tokens=max(num_draft_tokens, 1)
+            model,
+            provider,
+            [[1, 2, 3, 4], [5, 6, 7]],
+            max_tokens=2,
+            num_draft_tokens=max(num_draft_tokens, 1),
+            **(kv or {}),
         )
     except ValueError as e:
         return 1, str(e)
@@ -138,10 +144,13 @@ class Engine:
         max_context: int | None = None,
         memory_budget: int | None = None,
         prompt_cache_bytes: int | None = None,
+        prompt_cache_dir: str | None = None,  # also keep prompt-cache entries on disk, in this folder (08ec)
+        prompt_cache_disk_bytes: int = 8 << 30,  # bytes they may hold there
         request_timeout: float | None = None,
         prefill_step_size: int = ServeOptions.prefill_step_size,
         max_batch_size: int = 1,  # one at a time unless asked: `specnb serve` asks for its default, 8
         coordinator=None,  # the target split over ranks: what makes them run each job together (08b)
+        kv: dict | None = None,  # a quantized KV for every request (04f's `kv_flags`: `--kv-bits` ...); None: off
     ):
         self.model, self.tokenizer, self.provider, self.draft_kind = pair.target, pair.tokenizer, provider, draft_kind
         context = least(context_length(self.model), max_context)
@@ -157,16 +166,26 @@ class Engine:
             num_draft_tokens,
             request_timeout,
         )
-        self.prefill_step_size = prefill_step_size
-        self.footprints = measure_footprints(self.model, provider, num_draft_tokens)  # also warms MLX's kernels
+        self.prefill_step_size, self.kv = prefill_step_size, dict(kv or {})
+        # also warms MLX's kernels; a group size the head dim refuses, refused here
+        self.footprints = measure_footprints(self.model, provider, num_draft_tokens, self.kv, prefill_step_size)
         self.coordinator = coordinator
         # ranks: each tries it, in step
-        self.max_batch_size, self.not_batched = batch_limit(self.model, provider, max_batch_size, num_draft_tokens)
+        self.max_batch_size, self.not_batched = batch_limit(
+            self.model, provider, max_batch_size, num_draft_tokens, self.kv
+        )
         if self.not_batched and getattr(coordinator, "lead", True):
             log.warning(f"--max-batch-size {max_batch_size}: requests run one at a time: {self.not_batched}")
         self.budget, self.resident = memory_budget or default_budget(), mx.get_active_memory()
         n_target = len(make_prompt_cache(self.model))
-        self.cache = PromptCache(prompt_cache_size, n_target, prompt_cache_bytes or self.budget // 4)
+        self.cache = PromptCache(
+            prompt_cache_size,
+            n_target,
+            prompt_cache_bytes or self.budget // 4,
+            prompt_cache_dir,
+            prompt_cache_disk_bytes,
+            (self.model, provider, dict(draft_kind=draft_kind, num_draft_tokens=num_draft_tokens, kv=kv)),
+        )
         self.metrics = Metrics()
         self.admission = Admission(
             self.footprints,

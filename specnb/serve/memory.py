@@ -8,26 +8,43 @@ Docs: https://specnb.github.io/specnb/memory.html.md"""
 __all__ = ['PromptCache', 'Footprint', 'measure_footprints', 'parse_bytes', 'default_budget', 'rss', 'mib', 'held_by']
 
 # %% ../../nbs/08e_memory.ipynb #f2143094
-import os, re
+import os, re, warnings
 from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, LRUPromptCache, make_prompt_cache
 from ..caches.rollback import can_rollback, rollback
+from .disk_cache import DiskCache, cache_identity
 from ..executor import spec_generate
 
 # %% ../../nbs/08e_memory.ipynb #39240506
 class PromptCache:
     """Finished requests' caches — the target's and the draft's together — keyed by exactly the tokens both hold,
-    bounded in entries and bytes."""
+    bounded in entries and bytes; with a folder, also on disk (08ec), where a restarted server finds them."""
 
-    # size: entries kept (0: off); n_target: how many caches the target has
-    def __init__(self, size: int, n_target: int, max_bytes: int = 1 << 63):
+    def __init__(
+        self,
+        size: int,  # entries kept in RAM (0: off)
+        n_target: int,  # how many caches the target has
+        max_bytes: int = 1 << 63,  # bytes kept in RAM
+        folder: str | None = None,  # also keep entries on disk here (None: RAM only)
+        disk_bytes: int = 8 << 30,  # bytes kept on disk
+        identity: tuple = (),  # what makes an entry this server's: its models, draft source and options
+    ):
         self.lru, self.n_target = (LRUPromptCache(max_size=size, max_bytes=max_bytes) if size > 0 else None), n_target
+        on_disk = folder is not None and self.lru is not None
+        self.disk = DiskCache(folder, disk_bytes, cache_identity(*identity)) if on_disk else None
 
     def fetch(self, space: str, tokens: list) -> tuple:
         """`(target cache, draft cache, n)`: copies holding `tokens[:n]`, the longest cached prefix short of the last
-        token."""
-        cache, rest = self.lru.fetch_nearest_cache(space, list(tokens)) if self.lru is not None else (None, tokens)
+        token — in RAM, or on disk when a file there holds more."""
+        if self.lru is None:
+            return None, None, 0
+        tokens = list(tokens)
+        cache, rest = self.lru.fetch_nearest_cache(space, tokens)
+        n = 0 if cache is None else len(tokens) - len(rest)
+        if self.disk is not None and (kept := self.disk.fetch(space, tokens, better_than=n)) is not None:
+            self.lru.insert_cache(space, *kept)  # back in RAM (it is on disk already)
+            cache, rest = self.lru.fetch_nearest_cache(space, tokens)
         if cache is None:
             return None, None, 0
         if not rest:  # an exact hit: the last token must still be fed to produce the first logits
@@ -39,9 +56,12 @@ class PromptCache:
         return cache[: self.n_target], cache[self.n_target :], len(tokens) - len(rest)
 
     def insert(self, space: str, tokens: list, target_cache: list, draft_cache: list):
-        "Keep caches that hold exactly `tokens` (the prompt plus the fed tokens)."
+        "Keep caches that hold exactly `tokens` (the prompt plus the fed tokens); with a folder, written there too."
         if self.lru is not None:
-            self.lru.insert_cache(space, list(tokens), list(target_cache) + list(draft_cache))
+            caches = list(target_cache) + list(draft_cache)
+            self.lru.insert_cache(space, list(tokens), caches)
+            if self.disk is not None:
+                self.disk.put(space, tokens, caches)  # by the disk's own thread, off the request's path
 
     @property
     def nbytes(self) -> int:
@@ -51,7 +71,8 @@ class PromptCache:
         return 0 if self.lru is None else len(self.lru)
 
     def shrink(self, n_bytes: int | None = None, n_entries: int | None = None):
-        "Evict least-recently-used entries until the rest hold at most `n_bytes` and number at most `n_entries`."
+        """Evict least-recently-used entries from RAM until the rest hold at most `n_bytes` and number at most
+        `n_entries` (those on disk stay there)."""
         if self.lru is not None:
             self.lru.trim_to(n_bytes=None if n_bytes is None else max(n_bytes, 0), n_sequences=n_entries)
 
@@ -61,25 +82,33 @@ class Footprint:
     """Bytes a model's caches hold at `n` tokens: per allocated position (up to each cache's window), plus state that
     does not grow."""
 
-    # (bytes per position, most positions kept or None, allocation step), per attention cache
+    # (bytes per position, most positions kept or None, allocation step, bytes per position once quantized or None),
+    # per attention cache
     terms: list = field(default_factory=list)
     fixed: int = 0  # recurrent state and the like
     # the part of `fixed` a round copies per verified position (recurrent layers' state)
     state: int = 0
+    turn: int | None = None  # a quantized KV (04f): the token count from which its layers hold quantized positions
+    reach: int = 0  # the longest forward (a prefill chunk): a layer may hold `turn + reach` positions before it turns
 
     def bytes(self, n: int, width: int = 0) -> int:
         """What the caches hold at `n` tokens, and while a round verifies `width` positions (a recurrent layer then also
         keeps its state before and after each)."""
         total = self.fixed + (self.state * (width + 1) if width else 0)
-        for per, cap, step in self.terms:
+        for per, cap, step, quantized in self.terms:
+            alloc = lambda k: -(-k // step) * step
             k = n if cap is None else min(n, cap)
-            total += per * (-(-k // step) * step)
+            if quantized is None or self.turn is None or n <= self.turn:
+                total += per * alloc(k)
+            else:  # full precision up to the forward that turns it (held while its copy is made, and in a batch's full
+                # store while rows have not turned), and its quantized positions
+                total += per * alloc(min(k, self.turn + self.reach + width)) + quantized * alloc(k)
         return int(total)
 
     @classmethod
     def of(cls, caches: list) -> "Footprint":
-        """Read off caches that have taken a few tokens: an attention cache's bytes over its allocated positions; the
-        rest as fixed."""
+        """Read off caches that have taken a few tokens: an attention cache's bytes over its allocated positions (a
+        quantized one's marked as such); the rest as fixed."""
         fp = cls()
         for c in caches:
             if hasattr(c, "caches"):  # mlx-lm's CacheList
@@ -90,7 +119,8 @@ class Footprint:
                 continue
             keys = getattr(c, "keys", None)
             # a quantized cache keeps (packed, scales, biases)
-            keys = keys[0] if isinstance(keys, (tuple, list)) else keys
+            quantized = isinstance(keys, (tuple, list))
+            keys = keys[0] if quantized else keys
             # conv and SSM state: captured per position while a round is checked (04b, 04e)
             if isinstance(c, ArraysCache):
                 fp.state += c.nbytes
@@ -98,18 +128,48 @@ class Footprint:
                 fp.fixed += c.nbytes
                 continue
             cap = getattr(c, "capacity", None) or getattr(c, "max_size", None)
-            fp.terms.append((c.nbytes / keys.shape[-2], cap, getattr(c, "step", 1)))
+            per = c.nbytes / keys.shape[-2]
+            fp.terms.append((per, cap, getattr(c, "step", 1), per if quantized else None))
         return fp
 
+    def quantizing(self, q: "Footprint", turn: int, reach: int) -> "Footprint":
+        """These full-precision caches, holding from `turn` tokens on what `q` — the same caches read quantized — holds
+        in each layer that quantizes."""
+        terms = [t[:3] + (u[0] if u[3] is not None else None,) for t, u in zip(self.terms, q.terms)]
+        return Footprint(terms, self.fixed, self.state, turn, reach)
 
-def measure_footprints(model, provider, num_draft_tokens: int = 3) -> tuple:
+
+def measure_footprints(
+    model,
+    provider,
+    num_draft_tokens: int = 3,
+    kv: dict | None = None,  # 04f's quantized-KV options (`kv_bits`, ...); None: full precision
+    prefill_step_size: int = 2048,  # prompt tokens per prefill forward: how far past the turn a forward may reach
+) -> tuple:
     """The target's and the draft's `Footprint`, read off a short generation that keeps its caches (it also warms MLX's
-    kernels)."""
-    cache = make_prompt_cache(model)
-    res = spec_generate(
-        model, provider, [1, 2, 3, 4], max_tokens=2, num_draft_tokens=max(num_draft_tokens, 1), prompt_cache=cache
-    )
-    return Footprint.of(cache), Footprint.of(res.draft_cache or [])
+    kernels); with `kv`, a second one quantized from the first token gives the quantized sizes."""
+
+    def read(**kv) -> tuple:
+        cache = make_prompt_cache(model)
+        res = spec_generate(
+            model,
+            provider,
+            [1, 2, 3, 4],
+            max_tokens=2,
+            num_draft_tokens=max(num_draft_tokens, 1),
+            prompt_cache=cache,
+            **kv,
+        )
+        return Footprint.of(cache), Footprint.of(res.draft_cache or [])
+
+    full = read()
+    if not kv:
+        return full
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what stays full precision is said once, by the requests' own caches
+        quantized = read(**{**kv, "quantized_kv_start": 0})
+    turn = max(kv["quantized_kv_start"], 1)
+    return tuple(f.quantizing(q, turn, prefill_step_size) for f, q in zip(full, quantized))
 
 # %% ../../nbs/08e_memory.ipynb #db37c61c
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}

@@ -101,6 +101,7 @@ def share_prefill(self: Runner, job: Job, provider):
         draft_cache=draft_cache,
         prefill_step_size=e.prefill_step_size,
         should_stop=job.should_stop,
+        **e.kv,
     )
     if res.finish_reason != "cancelled" and (space == "plain" or res.draft_cache is not None):
         e.cache.insert(space, job.prompt + res.tokens[: res.fed], target_cache, res.draft_cache or [])
@@ -125,6 +126,7 @@ def options(self: Runner, run: _Run) -> dict:
         should_stop=job.should_stop,
         logprobs=job.logprobs,
         prompt_logprobs=job.prompt_logprobs,
+        **e.kv,  # the server's quantized KV (04f): every request's target cache, and a draft model's
     )
 
 # %% ../../nbs/08eb_runners.ipynb #36e4107e

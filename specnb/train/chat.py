@@ -285,7 +285,7 @@ def chat_streams(prompts: list, sequences: list) -> dict:
 
 # %% ../../nbs/05wa_chat_corpus.ipynb #0a1406c9
 def main(argv=None):
-    "`python -m specnb.train.chat`: the target's own replies to `chat_prompts` or `open_prompts`, as a corpus for long_run."
+    "`python -m specnb.train.chat`: the target's own replies to a question set, as a corpus for long_run."
     import argparse, mlx_lm
     from specnb import models
     from specnb.train.long_run import TARGETS

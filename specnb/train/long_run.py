@@ -250,7 +250,7 @@ def main(argv=None):
     p.add_argument(
         "--corpus",
         nargs="+",
-        help="a corpus of one's own (.npz: train and heldout token streams; e.g. specnb.train.chat); several are joined",
+        help="a corpus of one's own (.npz: train and heldout streams, e.g. from specnb.train.chat); several are joined",
     )
     p.add_argument("--init-from", help="a new run starting from the drafter of this run folder (a second stage)")
     args = p.parse_args(argv)
