@@ -104,7 +104,7 @@ def long_run(
     drafter: Eagle3 | None,  # a new drafter (`new_eagle3`), or None to resume the run checkpointed in `folder`
     data: dict,  # {"train": …, "heldout": …}: 1-D token ids
     folder,  # where the run is checkpointed (and resumed from)
-    steps: int,  # the whole run's optimizer steps: the learning-rate schedule spans them
+    steps: int | None,  # the whole run's optimizer steps, which its schedule spans; None: 2,441, or a resumed run's own
     batch: int = 4,
     seq: int = 256,
     unroll: int = 3,  # training-time test: draft steps unrolled per position
@@ -124,12 +124,19 @@ def long_run(
     training stream labelled by the target, a checkpoint every `checkpoint_s` seconds, on SIGTERM/SIGINT and at the
     deadline; called again on the same folder, it resumes where the checkpoint left off. Returns `training.json`."""
     folder = Path(folder)
-    opt = optim.AdamW(learning_rate=warmup_cosine(steps, peak_lr, warmup), weight_decay=0.01)
     if drafter is None:
         drafter, state, run = load_run(folder, target)
+        r = run["recipe"]
+        if steps is not None and steps != r["steps"]:  # a longer (or shorter) run than it began as: said in the record
+            run.setdefault("schedule_changes", []).append(dict(step=run["step"], was=r["steps"], now=steps))
+            r["steps"] = steps
+        steps, peak_lr, warmup = r["steps"], r["peak_lr"], r["warmup"]  # the schedule the run began with
+        opt = optim.AdamW(learning_rate=warmup_cosine(steps, peak_lr, warmup), weight_decay=0.01)
         opt.init(drafter.trainable_parameters())
         opt.state = state
     else:
+        steps = steps or 2441  # 2.5M positions of 1,024
+        opt = optim.AdamW(learning_rate=warmup_cosine(steps, peak_lr, warmup), weight_decay=0.01)
         folder.mkdir(parents=True, exist_ok=True)
         opt.init(drafter.trainable_parameters())
         recipe = dict(steps=steps, batch=batch, seq=seq, unroll=unroll, peak_lr=peak_lr, warmup=warmup, seed=seed)
@@ -241,7 +248,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m specnb.train.long_run", description=main.__doc__)
     p.add_argument("target", choices=list(TARGETS))
     p.add_argument("folder", help="the run's folder: made on the first call, resumed from on every later one")
-    p.add_argument("--positions", type=float, default=2.5e6, help="training positions of the whole run (default 2.5M)")
+    p.add_argument(
+        "--positions",
+        type=float,
+        help="training positions of the whole run (default 2.5M; a resumed run keeps its own unless this is given)",
+    )
     p.add_argument("--hours", type=float, default=None, help="stop (checkpointed) after this many hours")
     p.add_argument("--vocab-from", help="a head folder whose draft vocabulary to use (default: frequent tokens)")
     p.add_argument("--checkpoint-minutes", type=float, default=10)
@@ -282,7 +293,7 @@ def main(argv=None):
         drafter,
         data,
         args.folder,
-        int(args.positions // 1024),
+        None if args.positions is None else int(args.positions // 1024),
         until=until,
         log=log,
         checkpoint_s=args.checkpoint_minutes * 60,
