@@ -5,13 +5,15 @@ a server that holds its ground: the context limit, the body size limit, memory a
 prefill, API keys, SIGTERM — and batched requests (`--max-batch-size`): each gets the text it gets alone, requests join
 and leave mid-stream, and 32 clients at once are all answered."""
 
-import json, re, shutil, signal, socket, subprocess, sys, threading, time
+import json, re, shutil, signal, socket, subprocess, sys, threading, time, warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import httpx, jsonschema, openai, pytest
 from mlx_lm.sample_utils import make_logits_processors
 from prometheus_client.parser import text_string_to_metric_families
 from specnb import spec_generate, TwoModelProvider
+from specnb.caches.quantized import kv_flags
+from specnb.executor import generate
 from specnb.models import load_pair, bundled_dir, PROBE
 from specnb.blas import OPENBLAS
 from specnb.serve.harness import running_server, serve_process
@@ -860,14 +862,21 @@ def _tiny_configs(vocab: int) -> dict:
             layer_types=["sliding_attention", "full_attention"] * 2,
         ),
         "hybrid": dict(model_type="qwen3_next", **{**HYBRIDS["qwen3_next"], **shape}),
+        # head dim 32: the smallest a quantized KV's group (32) divides
+        "hybrid-kv": dict(model_type="qwen3_next", **{**HYBRIDS["qwen3_next"], **shape, "head_dim": 32}),
     }
 
 
+# the hybrid target with a quantized KV (#47): 4-bit from token 12, inside the longer prompts and among the answers'
+KV_FLAGS = {"hybrid-kv": ("--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "12")}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["sliding", "hybrid"])
+@pytest.mark.parametrize("kind", ["sliding", "hybrid", "hybrid-kv"])
 def test_prompt_cache_on_sliding_and_hybrid_targets(kind, tmp_path):
-    """`specnb serve` on a tiny sliding-window and a tiny hybrid target with a perturbed draft: a follow-up turn reuses
-    the cache and equals a fresh run."""
+    """`specnb serve` on a tiny sliding-window and a tiny hybrid target with a perturbed draft, and the hybrid with a
+    quantized KV: answers one at a time and batched equal plain decoding's with the same cache, and a follow-up turn
+    reuses the cache and equals a fresh run."""
     import mlx_lm
     from mlx_lm.sample_utils import make_logits_processors
     from tokenizers import Tokenizer
@@ -879,15 +888,21 @@ def test_prompt_cache_on_sliding_and_hybrid_targets(kind, tmp_path):
     target, tok = mlx_lm.load(str(tmp_path / "target"))
     draft, _ = mlx_lm.load(str(tmp_path / "draft"))
     procs, eos = make_logits_processors({0: -100}), tok.eos_token_ids
+    flags = KV_FLAGS.get(kind, ())
+    kv = kv_flags(*(int(v) for v in flags[1::2]))
     run = lambda ids: (
         spec_generate(
-            target, TwoModelProvider(draft), ids, max_tokens=24, eos_token_ids=eos, logits_processors=procs
+            target, TwoModelProvider(draft), ids, max_tokens=24, eos_token_ids=eos, logits_processors=procs, **kv
         ).tokens
     )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "2 RecurrentCache stay full precision"
+        plain = generate(target, [1, 2, 3], max_tokens=24, logits_processors=procs, **kv).tokens
+    assert plain == run([1, 2, 3])  # speculation = plain decoding with the same cache
     # token ids, not text: a random model's text need not encode back to the same tokens, and a wrapped ring cannot be
     # cut back to a shorter match longer than the window
     prompt = tok.encode("def read_config(path):\n    with open(path) as f:\n        return f.read()\n\n" * 2)
-    with running_server("--model", str(tmp_path / "target"), "--draft-model", str(tmp_path / "draft")) as u:
+    with running_server("--model", str(tmp_path / "target"), "--draft-model", str(tmp_path / "draft"), *flags) as u:
         c = openai.OpenAI(base_url=u + "/v1", api_key="not-needed", max_retries=0, timeout=120)
         name = c.models.list().data[0].id
         first = c.completions.create(model=name, prompt=prompt, max_tokens=24, extra_body={"logit_bias": NO_EOS})

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..grammar import json_object
 from ..sources.registry import load_drafting
 from ..blas import blas_in_use
-from ..caches.quantized import kv_flags
+from ..caches.quantized import kv_flags, kv_words
 from .protocol import ANSWERS, APIError, ChatRequest, CompletionRequest, validation_error
 from .requests import asked_tokens, chat_prompt, check_model, completion_prompts, tool_dicts
 from .memory import mib, parse_bytes
@@ -442,7 +442,8 @@ def cmd_serve(args, loader=None, make_engine=Engine):
         f"serving {engine.limits.model_id} ({kind} drafting, γ={args.num_draft_tokens}, BLAS {blas_in_use()}) on "
         f"http://{args.host}:{args.port}; "
         f"context {engine.limits.max_context}, memory budget {mib(engine.budget)} ({mib(engine.resident)} resident), "
-        f"up to {engine.max_batch_size} requests per batch"
+        f"up to {engine.max_batch_size} requests per batch{kv_words(engine.kv)}"
+        + (f"; prompt cache on disk in {limits['prompt_cache_dir']}" if limits["prompt_cache_dir"] else "")
     )
     config = uvicorn.Config(
         make_app(engine, body, key),
