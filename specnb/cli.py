@@ -49,8 +49,10 @@ def _model_args(p):
     )
     p.add_argument(
         "--lookup-first",
-        action="store_true",
-        help="draft by prompt lookup where the last tokens occurred before, by the model elsewhere",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="draft by prompt lookup where the last tokens occurred before, by the model elsewhere (default: as the "
+        "drafter's specnb.json says, else not)",
     )
     p.add_argument(
         "--adaptive",
