@@ -17,7 +17,7 @@ from ..caches.quantized import quantize_cache, kv_options
 from .base import TargetView, draft_distribution, draft_tokens
 from fastcore.basics import patch
 from mlx_lm.models.cache import KVCache
-from ..tree import Tree, keep_rows, tree_forward
+from ..tree import Tree, keep_rows, top_k, tree_forward
 
 # %% ../../nbs/05a_two_model.ipynb #4462334a
 def _held(cache) -> int:
@@ -179,8 +179,8 @@ def draft_tree(self: TwoModelSource, feed, n, budget, step=0, anchor_hidden=None
     score, depth, token, parent, frontier, read = [], [], [], [], [-1], []
     for level in range(1, n + 1):
         lp = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
-        ids = mx.argsort(-lp, axis=-1)[:, :K]
-        ids, vals = ids.tolist(), mx.take_along_axis(lp, ids, axis=-1).tolist()
+        ids, vals = top_k(lp, K)
+        ids, vals = ids.tolist(), vals.tolist()
         new = []
         for u, row, vs in zip(frontier, ids, vals):
             for t, v in zip(row, vs):
