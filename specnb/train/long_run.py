@@ -104,7 +104,7 @@ def long_run(
     drafter: Eagle3 | None,  # a new drafter (`new_eagle3`), or None to resume the run checkpointed in `folder`
     data: dict,  # {"train": …, "heldout": …}: 1-D token ids
     folder,  # where the run is checkpointed (and resumed from)
-    steps: int | None,  # the whole run's optimizer steps, which its schedule spans; None: 2,441, or a resumed run's own
+    steps: int | None,  # optimizer steps the schedule spans; None: 2.5M positions, or a resumed run's own
     batch: int = 4,
     seq: int = 256,
     unroll: int = 3,  # training-time test: draft steps unrolled per position
@@ -131,16 +131,15 @@ def long_run(
             run.setdefault("schedule_changes", []).append(dict(step=run["step"], was=r["steps"], now=steps))
             r["steps"] = steps
         steps, peak_lr, warmup = r["steps"], r["peak_lr"], r["warmup"]  # the schedule the run began with
-        opt = optim.AdamW(learning_rate=warmup_cosine(steps, peak_lr, warmup), weight_decay=0.01)
-        opt.init(drafter.trainable_parameters())
-        opt.state = state
     else:
-        steps = steps or 2441  # 2.5M positions of 1,024
-        opt = optim.AdamW(learning_rate=warmup_cosine(steps, peak_lr, warmup), weight_decay=0.01)
+        state, steps = None, steps or int(2.5e6 // (batch * seq))  # 2.5M positions by default
         folder.mkdir(parents=True, exist_ok=True)
-        opt.init(drafter.trainable_parameters())
         recipe = dict(steps=steps, batch=batch, seq=seq, unroll=unroll, peak_lr=peak_lr, warmup=warmup, seed=seed)
         run = dict(step=0, wall_s=0.0, recipe=recipe, corpus={k: len(v) for k, v in data.items()}, history=[])
+    opt = optim.AdamW(learning_rate=warmup_cosine(steps, peak_lr, warmup), weight_decay=0.01)
+    opt.init(drafter.trainable_parameters())
+    if state is not None:
+        opt.state = state
     sizes = {k: len(v) for k, v in data.items()}
     if run["corpus"] != sizes and not new_corpus:
         raise ValueError(f"{folder}: the run was started on a corpus of {run['corpus']} tokens, not this one ({sizes})")
