@@ -11,11 +11,13 @@ __all__ = ['check_tree_cache', 'check_tree_options', 'check_tree_request', 'cach
 
 # %% ../nbs/07h_tree_rounds.ipynb #0e214f00
 from dataclasses import dataclass, field
+from functools import partial
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from .accept import position_logprobs, sample_positions
 from .caches.window import SpecRotatingKVCache
-from .tree import Tree, chain, keep_rows, tree_forward, tree_mask
+from .sources.base import commit_chain, draft_chain
+from .tree import Tree, keep_rows, tree_forward, tree_mask
 
 # %% ../nbs/07h_tree_rounds.ipynb #df046ad3
 def check_tree_cache(cache: list):
@@ -37,6 +39,10 @@ def check_tree_options(o):
     for name in ("grammar", "logits_processors"):
         if getattr(o, name):
             raise ValueError(f"tree rounds walk without a {name}: leave tree_budget unset to use one")
+    if getattr(o, "kv_bits", None) is not None:  # `keep_rows` moves full-precision rows; a quantized cache packs three
+        raise ValueError(
+            "tree rounds keep a path's rows in full-precision KV caches only: leave kv_bits or tree_budget unset"
+        )
 
 
 def check_tree_request(o, cache: list):
@@ -97,7 +103,7 @@ def keep_tree_path(cache: list, start: int, path: list):
     order, and gives back the rest."""
     rows = [start] + [start + 1 + i for i in path]
     for c in cache:
-        if isinstance(c, SpecRotatingKVCache):
+        if hasattr(c, "compact"):  # a ring (04a), or a batched request's row (04c)
             c.compact(start, rows)
         else:
             keep_rows([c], start, rows)
@@ -128,11 +134,8 @@ def propose_tree(r, n: int) -> Tree:
             f"{type(r.source).__name__} reads the target through watch(): no trees; leave tree_budget unset"
         )
     anchor = r.tap.take() if r.tap else None
-    if hasattr(r.source, "draft_tree"):
-        tree = r.source.draft_tree(r.feed, n, r.o.tree_budget, len(r.out), anchor_hidden=anchor)
-    else:
-        drafts = r.source.draft(r.feed, min(n, r.o.tree_budget), len(r.out), anchor_hidden=anchor)
-        tree = chain(drafts.tolist() if isinstance(drafts, mx.array) else [int(t) for t in drafts])
+    grow = r.source.draft_tree if hasattr(r.source, "draft_tree") else partial(draft_chain, r.source)
+    tree = grow(r.feed, n, r.o.tree_budget, len(r.out), anchor_hidden=anchor)
     if len(tree) > r.o.tree_budget or max(tree.depths(), default=0) > n:
         raise RuntimeError(f"the draft source's tree has {len(tree)} nodes {max(tree.depths())} deep: more than asked")
     return tree
@@ -167,11 +170,8 @@ def commit_tree(r, toks: list, k: int):
     """Generation goes on: the source keeps the accepted path (`commit_tree`, or a chain's `commit`), the correction is
     `pending`, and `feed` holds the path's nodes the source has not read, then it."""
     tree, path = r.tree.tree, r.tree.path
-    if hasattr(r.source, "commit_tree"):
-        read = r.source.commit_tree(tree, path)
-    else:
-        r.source.commit(len(tree), k)
-        read = min(k, len(tree) - 1) if len(tree) else 0  # a chain's source never read its last draft
+    keep = r.source.commit_tree if hasattr(r.source, "commit_tree") else partial(commit_chain, r.source)
+    read = keep(tree, path)
     r.pending = toks[k]
     r.feed = [tree.tokens[i] for i in path[read:]] + [r.pending]
 

@@ -829,6 +829,45 @@ def test_lookup_first_serves_the_same_text(client):
         )
 
 
+def test_trees_serve_the_same_text(client):
+    """`--tree-budget`: a real server's trees (prompt lookup's, else the head's) give the default server's text, four
+    requests at once in batched tree rounds, a follow-up turn from the prompt cache, and a `json_schema` request runs
+    as chains and stays valid; a start-up a tree cannot run is refused naming the flag."""
+    prompts = [
+        "def read_config(path):\n    ",
+        "class Node:\n    def __init__(self, name):\n        self.name = name\n\nclass Leaf:\n    def __init__(self",
+    ]
+    refs = [client.completions.create(model=MODEL, prompt=p, max_tokens=40).choices[0].text for p in prompts]
+    args = ("--draft-kind", "head", "--lookup-first", "--num-draft-tokens", "4", "--tree-budget", "8")
+    with running_server(*args) as u:
+        c = openai.OpenAI(base_url=u + "/v1", api_key="not-needed", max_retries=0, timeout=120)
+        health = httpx.get(u + "/health").json()
+        assert (health["draft_kind"], health["tree_budget"]) == ("head+lookup", 8)
+        assert (health["batch"]["max_size"], health["batch"]["not_batched"]) == (8, None)  # batched trees (07ea)
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=40), prompts * 2))
+        assert [o.choices[0].text for o in outs] == refs * 2
+        spec = outs[0].usage.speculation
+        assert spec["rounds"] > 0 and spec["accepted"] > 0
+        follow = prompts[0] + refs[0] + "\n"
+        again = c.completions.create(model=MODEL, prompt=follow, max_tokens=24)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        want = client.completions.create(model=MODEL, prompt=follow, max_tokens=24).choices[0].text
+        assert again.choices[0].text == want
+        fmt = {"type": "json_schema", "json_schema": {"name": "s0", "schema": SCHEMAS[0], "strict": True}}
+        r = c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Reply in JSON."}], max_tokens=120, response_format=fmt
+        )
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[0])
+    for bad, says in (
+        (["--draft-kind", "none", "--tree-budget", "8"], "--tree-budget 8: --draft-kind none drafts nothing"),
+        (["--tree-budget", "8", "--kv-bits", "8"], "--tree-budget 8: tree rounds keep a path's rows in full-precision"),
+    ):
+        status, err = refusal(["serve", "--port", "0", *bad])
+        assert status == 2 and err.startswith("specnb: error:") and says in err and "Traceback" not in err, err
+
+
 def _save_tiny(folder: Path, cfg: dict, seed: int, noise: float = 0.0):
     """A random mlx-lm model from `cfg` (weights from seed 0, times 1 + `noise` N(0, 1) drawn from `seed`) saved with
     the bundled tokenizer."""
@@ -865,6 +904,33 @@ def _tiny_configs(vocab: int) -> dict:
         # head dim 32: the smallest a quantized KV's group (32) divides
         "hybrid-kv": dict(model_type="qwen3_next", **{**HYBRIDS["qwen3_next"], **shape, "head_dim": 32}),
     }
+
+
+@pytest.mark.slow
+def test_trees_on_a_sliding_window_target(tmp_path):
+    """`--tree-budget` on a sliding-window target: trees run past the window, one request at a time (batched rounds do
+    not compact a ring per row yet, and `/health` says so), each answer plain decoding's."""
+    import mlx_lm
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(bundled_dir("target") / "tokenizer.json")).get_vocab_size()
+    cfg = _tiny_configs(vocab)["sliding"]
+    _save_tiny(tmp_path / "target", cfg, 0)
+    target, tok = mlx_lm.load(str(tmp_path / "target"))
+    prompts = [tok.encode("def read_config(path):\n    with open(path) as f:\n") * k for k in (1, 3)]
+    wants = [tok.decode(generate(target, p, max_tokens=24, eos_token_ids=tok.eos_token_ids).tokens) for p in prompts]
+    # prompt lookup's trees: the two-model source grows trees on full-attention drafts only, and start-up says so
+    args = ("--model", str(tmp_path / "target"), "--draft-kind", "ngram", "--tree-budget", "6")
+    with running_server(*args) as u:
+        c = openai.OpenAI(base_url=u + "/v1", api_key="not-needed", max_retries=0, timeout=120)
+        health = httpx.get(u + "/health").json()
+        assert (health["tree_budget"], health["batch"]["max_size"]) == (6, 1)
+        assert "RaggedRotatingKVCache" in health["batch"]["not_batched"], health["batch"]
+        name = c.models.list().data[0].id
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda p: c.completions.create(model=name, prompt=p, max_tokens=24), prompts))
+        assert [g.choices[0].text for g in got] == wants
+        assert got[1].usage.speculation["rounds"] > 0
 
 
 # the hybrid target with a quantized KV (#47): 4-bit from token 12, inside the longer prompts and among the answers'

@@ -21,6 +21,8 @@ from ..caches.ragged_state import batch_cache
 from ..caches.rollback import leaves
 from ..caches.quantized import cap_window, take_rule
 from ..tap import Tap
+from ..tree import Tree
+from .trees import check_tree_rows, drain, propose_row, verify_rows, walk_tree_row
 from ..accept import RandomStream
 from .sources import check_batchable, BatchedProvider, drafts_together, group_of, DraftGroup, HeadGroup
 from ..executor import SpecRequest, SpecResult, spec_generate, spec_options
@@ -29,7 +31,6 @@ from ..executor import SpecRequest, SpecResult, spec_generate, spec_options
 from specnb.executor import (
     open_request,
     read_prompt,
-    propose_drafts,
     accept_drafts,
     emit_tokens,
     commit_round,
@@ -119,6 +120,8 @@ def add(
     """Open a request as `spec_generate` does and read its prompt on its own caches (now, or a chunk per round); returns
     its id."""
     id = self._n if id is None else id
+    if kwargs.get("tree_budget") is not None:
+        check_tree_rows(self.cache)  # 07ea: full-attention layers
     if any(x.id == id for x in self.rows + self.reading):
         raise ValueError(f"a request {id!r} is already in the batch: give each request its own id")
     rng = RandomStream(seed)  # a bad seed is refused here, before anything is opened
@@ -181,9 +184,9 @@ def _join(self: Batch, q: _Reading):
 
 # %% ../../nbs/07e_batch.ipynb #fdbb1c48
 def _draft_alone(w: _Row, n: int) -> tuple:
-    "The executor's own draft phase, on the request's random key."
+    "The executor's own draft phase (a tree, for a tree request: 07ea), on the request's random key."
     with w.rng:
-        return propose_drafts(w.r, n)
+        return propose_row(w.r, n)
 
 
 @patch
@@ -193,7 +196,7 @@ def _group(self: Batch, w: _Row) -> DraftGroup | HeadGroup | None:
     src = w.r.source
     if w.group is not None or w.alone or not self.draft_together:
         return w.group
-    w.alone = not drafts_together(src)  # the source's grammar, p_min and draft model: asked once
+    w.alone = bool(w.r.o.tree_budget) or not drafts_together(src)  # its trees, grammar, p_min, draft model: asked once
     if w.alone:
         return None
     key, make = group_of(src)
@@ -235,7 +238,8 @@ def _drafts(self: Batch) -> list:
 
 # %% ../../nbs/07e_batch.ipynb #515af385
 def _window(w: _Row, drafts, width: int) -> mx.array:
-    "`[pending, *drafts]`, padded to `width` (the padding's positions are given back before anyone reads them)."
+    "`[pending, *drafts]` (a tree's tokens, flattened), padded to `width` (the padding is given back unread)."
+    drafts = drafts.tokens if isinstance(drafts, Tree) else drafts
     d = drafts if isinstance(drafts, mx.array) else mx.array(drafts, mx.uint32)
     pad = mx.zeros((width - 1 - d.size,), mx.uint32)
     return mx.concatenate([mx.array([w.r.pending], mx.uint32), d.astype(mx.uint32), pad])
@@ -263,29 +267,16 @@ def _verify(self: Batch, plans: list) -> mx.array:
             if w.r.tap is None:
                 watching.enter_context(w.r.watch)
         if not layers:
-            logits = self.model(x, cache=self.cache)
+            logits = verify_rows(self.model, x, self.cache, plans, self.rows)
         else:
             with Tap(self.model, layers) as tap:
-                logits = self.model(x, cache=self.cache)
+                logits = verify_rows(self.model, x, self.cache, plans, self.rows)
             _hand_rows(tap, self.rows, plans)
     for layer in self.cache:
         layer.ends = [e - (width - 1 - d) for e, (_, d) in zip(layer.ends, plans)]
     return logits
 
 # %% ../../nbs/07e_batch.ipynb #4e247a17
-def _drain(gen, on_token) -> bool:
-    """Run the executor's `emit_tokens` to its end, handing each token to `on_token`; True when the request ended
-    (finished, or halted by it)."""
-    try:
-        while True:
-            t = next(gen)
-            if on_token is not None and on_token(t) is False:
-                gen.close()  # its `finally` rolls back, as when a consumer closes `spec_stream` mid-burst
-                return True
-    except StopIteration as e:
-        return bool(e.value)
-
-
 def _walk(w: _Row, logits: mx.array, drafts, d: int) -> bool:
     """The request's accept walk, emission and rollback, on its own; then, if it goes on, its next `pending` and `feed`.
     True when it ended."""
@@ -298,7 +289,7 @@ def _walk(w: _Row, logits: mx.array, drafts, d: int) -> bool:
         r.res.stats.target_calls += 1
     else:
         r.res.stats.count_round(d, k)
-    if _drain(emit_tokens(r, toks, d, k), w.on_token):
+    if drain(emit_tokens(r, toks, d, k), w.on_token):
         return True
     if not w.plain:
         commit_round(r, drafts, toks, d, k)
@@ -376,7 +367,7 @@ def step(self: Batch) -> list:
     ended = []
     for w, (drafts, d), lg in zip(list(self.rows), plans, logits):
         try:
-            if _walk(w, lg, drafts, d):
+            if walk_tree_row(w, lg, drafts) if isinstance(drafts, Tree) else _walk(w, lg, drafts, d):
                 ended.append(w)
         except Exception as e:
             self._fail(w, e)

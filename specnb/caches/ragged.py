@@ -150,6 +150,18 @@ def trimmable(self: RaggedKVCache, i: int) -> int:
     return self.ends[i]
 
 
+@patch
+def compact(self: RaggedKVCache, i: int, start: int, rows: list):
+    """Row `i` keeps its entries at positions `rows` (ascending, each at least `start`), moved to `start` onward, and
+    drops everything after them: a tree round's accepted path (07h), on its own row."""
+    n = start + len(rows)
+    if rows:
+        at = mx.array(rows)
+        self.keys[i : i + 1, :, start:n, :] = self.keys[i : i + 1, :, at, :]
+        self.values[i : i + 1, :, start:n, :] = self.values[i : i + 1, :, at, :]
+    self.ends[i] = n
+
+
 class RowCache:
     """One request's view of one layer of the batch's cache: the offset and `trim` the executor's rollback reads and
     calls."""
@@ -178,6 +190,10 @@ class RowCache:
         n = max(0, min(n, self.trimmable()))
         self.layer.ends[self.slot.index] -= n
         return n
+
+    def compact(self, start: int, rows: list):
+        "Keep the row's entries at positions `rows` (ascending, each from `start`), moved to `start` on: a tree's path."
+        self.layer.compact(self.slot.index, start, rows)
 
     def __repr__(self):
         return f"RowCache(row={self.slot.index}, offset={self.offset})"

@@ -29,8 +29,10 @@ class Admission:
         resident: int,  # bytes held before any request: the weights
         max_batch_size: int = 1,  # jobs running at once
         max_queue: int = ServeOptions.max_queue,  # jobs waiting beyond those
+        tree_budget: int | None = None,  # a speculative job's verify window: a tree of this many nodes (None: γ)
     ):
         self.footprints, self.speculates, self.cache, self.metrics = footprints, speculates, cache, metrics
+        self.tree_budget = tree_budget
         self.budget, self.resident = budget, resident
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
         self.jobs = queue.Queue()  # submitted, not yet taken
@@ -57,7 +59,8 @@ class Admission:
 @patch
 def estimate(self: Admission, n_prompt: int, max_tokens: int, num_draft_tokens: int) -> int:
     "Bytes a request holds at its longest: the target's caches and, when it speculates, the draft's."
-    width = max(num_draft_tokens, 1) + 1
+    tree = self.tree_budget if num_draft_tokens and self.tree_budget else 0  # a tree round verifies all its nodes
+    width = max(num_draft_tokens, tree, 1) + 1
     n = n_prompt + max_tokens + width
     target = self.footprints[0].bytes(n, width)
     if not self.speculates or num_draft_tokens == 0:

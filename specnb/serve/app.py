@@ -203,6 +203,7 @@ def _add_routes(app: FastAPI, engine: Engine):
             "status": "stopping" if engine.closing else "ok",
             "model": engine.limits.model_id,
             "draft_kind": engine.draft_kind,
+            "tree_budget": engine.tree_budget,
             "context_length": engine.limits.max_context,
             "queue_depth": engine.queued(),
             "running": engine.running(),
@@ -424,12 +425,17 @@ def engine_options(args, kind: str) -> dict:
         temp=o.temp,
         acceptance=args.acceptance,
         kv=kv_flags(o.kv_bits, o.kv_group_size, o.quantized_kv_start),
+        tree_budget=args.tree_budget,
     )
 
 
 def cmd_serve(args, loader=None, make_engine=Engine):
     """Run `specnb serve` until interrupted; bad arguments are a `ValueError` before anything is loaded. (`loader`,
     `make_engine`: a split target's.)"""
+    if args.tree_budget is not None and getattr(args, "distributed", False):
+        raise ValueError(
+            "--tree-budget is not available with --distributed yet: tree rounds are not gated on split targets"
+        )
     limits, body = server_limits(args), parse_bytes(args.max_request_bytes, "--max-request-bytes")
     key = args.api_key or os.environ.get("SPECNB_API_KEY") or None
     pair, provider, kind = load_drafting(args, loader=loader)
@@ -439,7 +445,9 @@ def cmd_serve(args, loader=None, make_engine=Engine):
     if (warning := bind_warning(args.host, args.port, key)) is not None:
         print(warning, file=sys.stderr, flush=True)
     log.info(
-        f"serving {engine.limits.model_id} ({kind} drafting, γ={args.num_draft_tokens}, BLAS {blas_in_use()}) on "
+        f"serving {engine.limits.model_id} ({kind} drafting, γ={args.num_draft_tokens}"
+        + (f", trees of up to {args.tree_budget} nodes" if args.tree_budget else "")
+        + f", BLAS {blas_in_use()}) on "
         f"http://{args.host}:{args.port}; "
         f"context {engine.limits.max_context}, memory budget {mib(engine.budget)} ({mib(engine.resident)} resident), "
         f"up to {engine.max_batch_size} requests per batch{kv_words(engine.kv)}"

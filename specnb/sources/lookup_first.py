@@ -8,8 +8,11 @@ Docs: https://specnb.github.io/specnb/lookup_first.html.md"""
 __all__ = ['LookupFirstSource', 'LookupFirstProvider', 'PredictedProvider']
 
 # %% ../../nbs/05j_lookup_first.ipynb #ae125079
-from .base import TargetView
+from functools import partial
+from fastcore.basics import patch
+from .base import TargetView, commit_chain, draft_chain
 from .ngram import NgramSource, NgramProvider
+from ..tree import Tree
 
 # %% ../../nbs/05j_lookup_first.ipynb #2466cb88
 class LookupFirstSource:
@@ -91,6 +94,33 @@ class LookupFirstProvider:
             grammar=grammar,
         )
         return LookupFirstSource(inner, self.min_ngram, self.max_ngram, self.match)
+
+# %% ../../nbs/05j_lookup_first.ipynb #569a9761
+@patch
+def draft_tree(self: LookupFirstSource, feed, n, budget, step=0, anchor_hidden=None) -> Tree:
+    """Lookup's tree where the trailing n-gram occurred before (the inner source reads `feed`, proposing nothing),
+    else the inner source's tree — or its chain, for one that cannot branch."""
+    tree = self.lookup.draft_tree(feed, n, budget, step)
+    self.by_lookup = len(tree) > 0
+    self.rounds.append(self.by_lookup)
+    if self.by_lookup:
+        self.inner.draft(feed, 0, step, anchor_hidden)
+        return tree
+    grow = self.inner.draft_tree if hasattr(self.inner, "draft_tree") else partial(draft_chain, self.inner)
+    return grow(feed, n, budget, step, anchor_hidden=anchor_hidden)
+
+
+@patch
+def commit_tree(self: LookupFirstSource, tree, path) -> int:
+    """The source that drafted keeps the path; lookup also learns the path's nodes the inner source read; how many that
+    is (the rest come back in the next feed, to both)."""
+    if self.by_lookup:
+        self.inner.commit(0, 0)
+        return self.lookup.commit_tree(tree, path)
+    keep = self.inner.commit_tree if hasattr(self.inner, "commit_tree") else partial(commit_chain, self.inner)
+    read = keep(tree, path)
+    self.lookup.extend([tree.tokens[i] for i in path[:read]])
+    return read
 
 # %% ../../nbs/05j_lookup_first.ipynb #3feff7fb
 class PredictedProvider:

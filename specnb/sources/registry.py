@@ -380,6 +380,11 @@ def load_drafting(args, loader=None):
         args.num_draft_tokens = default_draft_tokens(kind, args.draft_model)
     if args.num_draft_tokens < 1:
         raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
+    if (budget := getattr(args, "tree_budget", None)) is not None:  # `specnb generate` and `serve`
+        if kind == "none":
+            raise ValueError(f"--tree-budget {budget}: --draft-kind none drafts nothing")
+        if budget < 1:
+            raise ValueError(f"--tree-budget must be >= 1 (draft nodes per round), got {budget}")
     options = drafting_options(args)
     check_drafting(kind, options, args.adaptive)
     # published: a drafter's checkpoint, not a second model
