@@ -8,7 +8,7 @@ Docs: https://specnb.github.io/specnb/batch_trees.html.md"""
 __all__ = ['check_tree_rows', 'propose_row', 'row_ancestors', 'row_mask', 'verify_rows', 'drain', 'walk_tree_row']
 
 # %% ../../nbs/07ea_batch_trees.ipynb #e2f7036c
-from ..caches.ragged import RaggedKVCache  # first: specnb loads OpenBLAS before MLX does
+from ..caches.ragged import RaggedKVCache, RaggedRotatingKVCache  # first: specnb loads OpenBLAS before MLX does
 import numpy as np
 import mlx.core as mx
 from ..executor import emit_tokens, propose_drafts
@@ -18,11 +18,11 @@ from ..tree_round import TreeRound, accept_tree, commit_tree, propose_tree
 # %% ../../nbs/07ea_batch_trees.ipynb #0b3de5c5
 def check_tree_rows(cache: list):
     """Raise `ValueError` naming the layer if a batch's caches cannot verify trees: batched tree rounds run on
-    full-attention layers."""
+    full-attention and sliding-window layers."""
     for layer in cache:
-        if type(layer) is not RaggedKVCache:
+        if type(layer) not in (RaggedKVCache, RaggedRotatingKVCache):
             raise ValueError(
-                "batched tree rounds run on full-attention layers, and this target's batch has a "
+                "batched tree rounds run on full-attention and sliding-window layers, and this target's batch has a "
                 f"{type(layer).__name__}: run its tree requests alone (spec_generate), or leave tree_budget unset"
             )
 
@@ -44,21 +44,27 @@ def row_ancestors(tree: Tree, width: int) -> np.ndarray:
     return anc
 
 
-def row_mask(ends: list, trees: list, width: int, size: int) -> mx.array:
-    """`(B, 1, width, size)`: query j of row i sees row i's first `ends[i]` keys and, among the `width` written after
-    them, its ancestors and itself (`row_ancestors` of row i's tree)."""
-    anc = mx.array(np.stack([row_ancestors(t, width) for t in trees]))
-    e = mx.array(ends)[:, None]
-    k = mx.arange(size)[None]
-    rel = mx.clip(k - e, 0, width - 1)  # each key's place in its row's window
-    seen = mx.take_along_axis(anc, mx.broadcast_to(rel[:, None, :], (len(trees), width, size)), axis=2)
-    inside = (k >= e) & (k < e + width)
-    return ((k < e)[:, None, :] | (inside[:, None, :] & seen))[:, None]
+def row_mask(layer, ends: list, anc: mx.array, depth: mx.array) -> mx.array:
+    """`(B, 1, W, S)` for one layer: query j of row i sees row i's context (on a ring, within its window) and, among the
+    `W` keys written this round, its ancestors and itself. `anc`: `(B, W, W)` (`row_ancestors`); `depth`: `(B, W)`."""
+    B, W = depth.shape
+    o = mx.array(ends)[:, None]
+    ring = isinstance(layer, RaggedRotatingKVCache)
+    pos = layer.positions(W) if ring else mx.broadcast_to(mx.arange(max(ends) + W)[None], (B, max(ends) + W))
+    new = (pos >= o) & (pos < o + W)  # the keys this round writes
+    node = mx.clip(pos - o, 0, W - 1)
+    seen = mx.take_along_axis(anc, mx.broadcast_to(node[:, None, :], (B, W, pos.shape[1])), axis=2)
+    mask = mx.where(new[:, None, :], seen, ((pos >= 0) & (pos < o))[:, None, :])
+    if ring:  # each key where it really is (a node at its depth), each query its window back from its own depth
+        at = mx.where(new, o + mx.take_along_axis(depth, node, axis=1), pos)[:, None, :]
+        q = (o + depth)[:, :, None]
+        mask = mask & (at > q - layer.window) & (at <= q)
+    return mask[:, None]
 
 # %% ../../nbs/07ea_batch_trees.ipynb #41e8543c
 def verify_rows(model, x: mx.array, cache: list, plans: list, rows: list) -> mx.array:
     """The batch's one forward over `x` `(B, width)`: causal windows, or — with a tree among the plans — each row's
-    positions by depth and ancestor mask; a tree row's `TreeRound` notes where its root sits."""
+    positions by depth and, per layer, its ancestor mask; a tree row's `TreeRound` notes where its root sits."""
     if not any(isinstance(p, Tree) for p, _ in plans):
         return model(x, cache=cache)
     B, width = x.shape
@@ -69,9 +75,11 @@ def verify_rows(model, x: mx.array, cache: list, plans: list, rows: list) -> mx.
     depth = np.tile(np.arange(width), (B, 1))
     for i, t in enumerate(trees):
         depth[i, 1 : len(t) + 1] = t.depths()
-    positions = mx.array(ends)[:, None] + mx.array(depth)
-    mask = row_mask(ends, trees, width, max(ends) + width)
-    return masked_forward(model, x, positions, [mask] * len(cache), cache)
+    depth, anc = mx.array(depth), mx.array(np.stack([row_ancestors(t, width) for t in trees]))
+    for layer in cache:
+        layer.reserve(width)  # a ring widens to take the whole tree and give it back
+    masks = [row_mask(layer, ends, anc, depth) for layer in cache]
+    return masked_forward(model, x, mx.array(ends)[:, None] + depth, masks, cache)
 
 # %% ../../nbs/07ea_batch_trees.ipynb #bebb25d9
 def drain(gen, on_token) -> bool:

@@ -406,6 +406,20 @@ def drop(self: RaggedRotatingKVCache, i: int):
     self.los.pop(i)
     RaggedKVCache.drop(self, i)
 
+
+@patch
+def compact(self: RaggedRotatingKVCache, i: int, start: int, rows: list):
+    """Row `i` keeps its positions `rows` (ascending, each at least `start`) at `start` onward, in their slots, and gives
+    back the rest: a tree round's accepted path (07h), on its own ring."""
+    if self.ends[i] - start > self.trimmable(i):
+        raise ValueError(f"cannot keep rows from {start}: row {i} can give back only its last {self.trimmable(i)}")
+    if rows:
+        src = mx.array([p % self.capacity for p in rows])
+        dst = mx.array([(start + j) % self.capacity for j in range(len(rows))])
+        self.keys[i : i + 1, :, dst, :] = self.keys[i : i + 1, :, src, :]
+        self.values[i : i + 1, :, dst, :] = self.values[i : i + 1, :, src, :]
+    self.ends[i] = start + len(rows)
+
 # %% ../../nbs/04c_ragged.ipynb #e2f6fe12
 def ragged_cache(model) -> list:
     """The batch's caches for `model`: a `RaggedRotatingKVCache` for each sliding-window layer, a `RaggedKVCache` for
