@@ -409,8 +409,8 @@ def drop(self: RaggedRotatingKVCache, i: int):
 
 @patch
 def compact(self: RaggedRotatingKVCache, i: int, start: int, rows: list):
-    """Row `i` keeps its positions `rows` (ascending, each at least `start`) at `start` onward, in their slots, and gives
-    back the rest: a tree round's accepted path (07h), on its own ring."""
+    """Row `i` keeps its positions `rows` (ascending, each at least `start`) at `start` onward, in their slots, and
+    gives back the rest: a tree round's accepted path (07h), on its own ring."""
     if self.ends[i] - start > self.trimmable(i):
         raise ValueError(f"cannot keep rows from {start}: row {i} can give back only its last {self.trimmable(i)}")
     if rows:
