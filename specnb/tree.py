@@ -189,8 +189,8 @@ def masked_forward(
         with at_positions(model, positions):
             return model(x, cache=cache)
     finally:
-        for c in cache:
-            del c.make_mask
+        for c in cache:  # (a cache that turned quantized in the forward has a new `__dict__`, without it)
+            vars(c).pop("make_mask", None)
 
 
 def tree_forward(
@@ -247,12 +247,14 @@ def walk_sampled(tree: Tree, probs, rng) -> tuple:
 
 def keep_rows(cache, start: int, rows: list):
     """Full-attention `cache` keeps the entries at positions `rows` (ascending, each at least `start`), moved to `start`
-    onward, and drops everything after them."""
+    onward, and drops everything after them; a quantized cache's packed keys, scales and biases alike."""
     n = start + len(rows)
     for c in cache:
         if rows:
-            c.keys[..., start:n, :] = c.keys[..., mx.array(rows), :]
-            c.values[..., start:n, :] = c.values[..., mx.array(rows), :]
+            at = mx.array(rows)
+            for x in (c.keys, c.values):
+                for a in x if isinstance(x, (tuple, list)) else (x,):  # a QuantizedKVCache holds three arrays
+                    a[..., start:n, :] = a[..., at, :]
         c.offset = n
 
 

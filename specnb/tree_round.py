@@ -13,7 +13,8 @@ __all__ = ['check_tree_cache', 'check_tree_options', 'check_tree_request', 'cach
 from dataclasses import dataclass, field
 from functools import partial
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from .caches.quantized import QuantizingKVCache
 from .accept import position_logprobs, sample_positions
 from .caches.window import SpecRotatingKVCache
 from .sources.base import commit_chain, draft_chain
@@ -22,9 +23,10 @@ from .tree import Tree, keep_rows, tree_forward, tree_mask
 # %% ../nbs/07h_tree_rounds.ipynb #df046ad3
 def check_tree_cache(cache: list):
     """Raise `ValueError` naming the cache type if a target cache cannot read a tree in one forward and keep its path:
-    trees run on full-attention (`KVCache`) and sliding-window (`SpecRotatingKVCache`) layers."""
+    trees run on full-attention (`KVCache`, quantized or not) and sliding-window
+    (`SpecRotatingKVCache`) layers."""
     for c in cache:
-        if type(c) is not KVCache and not isinstance(c, SpecRotatingKVCache):
+        if type(c) not in (KVCache, QuantizingKVCache, QuantizedKVCache) and not isinstance(c, SpecRotatingKVCache):
             raise ValueError(
                 f"draft trees need full-attention or sliding-window caches, but this target has a {type(c).__name__} "
                 "(recurrent and state-space layers read one token after another, not a tree); draft chains here: "
@@ -39,10 +41,6 @@ def check_tree_options(o):
     for name in ("grammar", "logits_processors"):
         if getattr(o, name):
             raise ValueError(f"tree rounds walk without a {name}: leave tree_budget unset to use one")
-    if getattr(o, "kv_bits", None) is not None:  # `keep_rows` moves full-precision rows; a quantized cache packs three
-        raise ValueError(
-            "tree rounds keep a path's rows in full-precision KV caches only: leave kv_bits or tree_budget unset"
-        )
 
 
 def check_tree_request(o, cache: list):

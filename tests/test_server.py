@@ -862,7 +862,7 @@ def test_trees_serve_the_same_text(client):
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[0])
     for bad, says in (
         (["--draft-kind", "none", "--tree-budget", "8"], "--tree-budget 8: --draft-kind none drafts nothing"),
-        (["--tree-budget", "8", "--kv-bits", "8"], "--tree-budget 8: tree rounds keep a path's rows in full-precision"),
+        (["--tree-budget", "0"], "--tree-budget must be >= 1 (draft nodes per round), got 0"),
     ):
         status, err = refusal(["serve", "--port", "0", *bad])
         assert status == 2 and err.startswith("specnb: error:") and says in err and "Traceback" not in err, err
