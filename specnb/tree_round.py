@@ -6,8 +6,8 @@ Docs: https://specnb.github.io/specnb/tree_rounds.html.md"""
 
 # %% auto #0
 __all__ = ['check_tree_cache', 'check_tree_options', 'check_tree_request', 'cache_mask', 'verify_tree', 'walk_tree',
-           'tree_tokens', 'keep_tree_path', 'keep_tap_rows', 'TreeRound', 'propose_tree', 'verify_tree_round',
-           'accept_tree', 'keep_tree', 'commit_tree', 'tree_round']
+           'tree_tokens', 'walk_tree_masked', 'keep_tree_path', 'keep_tap_rows', 'TreeRound', 'propose_tree',
+           'verify_tree_round', 'accept_tree', 'keep_tree', 'commit_tree', 'tree_round']
 
 # %% ../nbs/07h_tree_rounds.ipynb #0e214f00
 from dataclasses import dataclass, field
@@ -15,7 +15,7 @@ from functools import partial
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from .caches.quantized import QuantizingKVCache
-from .accept import position_logprobs, sample_positions
+from .accept import position_logprobs, processed_logits, sample_one, sample_positions
 from .caches.window import SpecRotatingKVCache
 from .sources.base import commit_chain, draft_chain
 from .tree import Tree, keep_rows, tree_forward, tree_mask
@@ -35,12 +35,9 @@ def check_tree_cache(cache: list):
 
 
 def check_tree_options(o):
-    "Raise `ValueError` for a `tree_budget` that is no node count, or an option tree rounds do not walk."
+    "Raise `ValueError` for a `tree_budget` that is no node count."
     if type(o.tree_budget) is not int or o.tree_budget < 1:
         raise ValueError(f"tree_budget must be None (chains) or a node count, an int >= 1; got {o.tree_budget!r}")
-    for name in ("grammar", "logits_processors"):
-        if getattr(o, name):
-            raise ValueError(f"tree rounds walk without a {name}: leave tree_budget unset to use one")
 
 
 def check_tree_request(o, cache: list):
@@ -94,6 +91,39 @@ def tree_tokens(tree: Tree, logits: mx.array, sampler=None) -> tuple:
     choices = sample_positions(logits, sampler).tolist()
     path = walk_tree(tree, choices)
     return [tree.tokens[i] for i in path] + [choices[path[-1] + 1 if path else 0]], path
+
+
+def walk_tree_masked(
+    tree: Tree,
+    logits: mx.array,  # (N + 1, V): the root's, then each node's
+    sampler=None,
+    logits_processors=None,
+    grammar=None,  # advanced on each token the walk emits, never on a rejected node
+    history=None,  # mx.array of the tokens before the root, for the processors
+    eos=(),
+    seen=None,  # a list to receive the processed logits of the returned tokens' positions
+) -> tuple:
+    """`(tokens, path)` one position at a time, as plain decoding samples — processors, then the grammar's mask, then
+    the sampler — at the root, then at the child holding each sample, until no child holds it, EOS or the grammar's end
+    (the chain's sequential walk, `accept_walk`, over a tree)."""
+    u, out, path = -1, [], []
+    while True:
+        h = mx.concatenate([history, mx.array(out, mx.uint32)]) if history is not None else None
+        row = processed_logits(logits[u + 1 : u + 2], h, logits_processors)
+        if seen is not None:
+            seen.append(row)
+        t = sample_one(row, sampler=sampler, grammar=grammar).item()
+        out.append(t)
+        if t in eos:
+            return out, path  # EOS never reaches the grammar, and ends the walk
+        if grammar is not None:
+            grammar.advance(t)
+            if grammar.terminated:
+                return out, path
+        if not (kids := [c for c in tree.children(u) if tree.tokens[c] == t]):
+            return out, path
+        u = kids[0]
+        path.append(u)
 
 # %% ../nbs/07h_tree_rounds.ipynb #73f6b7fc
 def keep_tree_path(cache: list, start: int, path: list):
@@ -149,6 +179,13 @@ def verify_tree_round(r, tree: Tree) -> mx.array:
 def accept_tree(r, logits: mx.array, tree: Tree) -> tuple:
     """The walk over the tree: the round's tokens (the accepted path's, then the correction or bonus) and how many of
     them are drafts; with `logprobs`, their `scores`."""
+    if r.procs or r.o.grammar is not None:  # each position's mask depends on the tokens before it: one at a time
+        seen = [] if r.o.logprobs is not None else None
+        o = r.o
+        toks, r.tree.path = walk_tree_masked(tree, logits, o.sampler, r.procs, o.grammar, r.history(), r.eos, seen)
+        if seen is not None:
+            r.scores = position_logprobs(mx.concatenate(seen), toks, r.o.logprobs)
+        return toks, len(r.tree.path)
     toks, r.tree.path = tree_tokens(tree, logits, r.o.sampler)
     if r.o.logprobs is not None:
         rows = mx.array([0] + [1 + i for i in r.tree.path])

@@ -831,8 +831,9 @@ def test_lookup_first_serves_the_same_text(client):
 
 def test_trees_serve_the_same_text(client):
     """`--tree-budget`: a real server's trees (prompt lookup's, else the head's) give the default server's text, four
-    requests at once in batched tree rounds, a follow-up turn from the prompt cache, and a `json_schema` request runs
-    as chains and stays valid; a start-up a tree cannot run is refused naming the flag."""
+    requests at once in batched tree rounds, a follow-up turn from the prompt cache, and a `json_schema` request and a
+    `logit_bias` one walk their trees under the mask, each as the default server answers it; a start-up a tree cannot
+    run is refused naming the flag."""
     prompts = [
         "def read_config(path):\n    ",
         "class Node:\n    def __init__(self, name):\n        self.name = name\n\nclass Leaf:\n    def __init__(self",
@@ -860,6 +861,16 @@ def test_trees_serve_the_same_text(client):
         )
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[0])
+        ask = dict(messages=[{"role": "user", "content": "Reply in JSON."}], max_tokens=120, response_format=fmt)
+        assert (
+            r.choices[0].message.content
+            == client.chat.completions.create(model=MODEL, **ask).choices[0].message.content
+        )
+        biased = dict(prompt=prompts[1], max_tokens=40, extra_body={"logit_bias": NO_EOS})
+        assert (
+            c.completions.create(model=MODEL, **biased).choices[0].text
+            == client.completions.create(model=MODEL, **biased).choices[0].text
+        )
     for bad, says in (
         (["--draft-kind", "none", "--tree-budget", "8"], "--tree-budget 8: --draft-kind none drafts nothing"),
         (["--tree-budget", "0"], "--tree-budget must be >= 1 (draft nodes per round), got 0"),

@@ -126,8 +126,7 @@ def options(self: Runner, run: _Run) -> dict:
         should_stop=job.should_stop,
         logprobs=job.logprobs,
         prompt_logprobs=job.prompt_logprobs,
-        # a tree server's trees (07h), but chains where the tree walk takes no mask: a grammar, logit_bias
-        tree_budget=None if job.grammar or job.logits_processors else e.tree_budget,
+        tree_budget=e.tree_budget,  # a tree server's trees (07h), grammars and logit_bias walked node by node
         **e.kv,  # the server's quantized KV (04f): every request's target cache, and a draft model's
     )
 
