@@ -13,13 +13,13 @@ import mlx.core as mx
 from fastcore.basics import patch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from mlx_lm.models.cache import make_prompt_cache
-from ..executor import context_length, spec_generate
+from ..executor import context_length
 from ..batching.rounds import spec_generate_batch
 from ..models import logits_width
 from ..serve_options import ServeOptions
 from .protocol import APIError
 from .requests import Job, Limits, least
-from .memory import PromptCache, default_budget, measure_footprints, rss
+from .memory import PromptCache, default_budget, measure_footprints, rss, trial
 from .admission import Admission
 from .runners import Batched, OneAtATime, log
 
@@ -120,15 +120,7 @@ def batch_limit(
 def tree_trial(model, provider, tree_budget: int, num_draft_tokens: int = 3, kv: dict | None = None):
     "Refuse, naming `--tree-budget`, a pair or option tree rounds cannot run: a short tree generation, as requests run."
     try:
-        spec_generate(
-            model,
-            provider,
-            [1, 2, 3, 4],
-            max_tokens=2,
-            num_draft_tokens=max(num_draft_tokens, 1),
-            tree_budget=tree_budget,
-            **(kv or {}),
-        )
+        trial(model, provider, num_draft_tokens, tree_budget=tree_budget, **(kv or {}))
     except ValueError as e:
         raise ValueError(f"--tree-budget {tree_budget}: {e}") from None
 
