@@ -9,6 +9,7 @@ __all__ = ['check_tree_rows', 'propose_row', 'row_ancestors', 'row_mask', 'verif
 
 # %% ../../nbs/07ea_batch_trees.ipynb #e2f7036c
 from ..caches.ragged import RaggedKVCache, RaggedRotatingKVCache  # first: specnb loads OpenBLAS before MLX does
+from ..caches.quantized import RaggedQuantizedKVCache
 import numpy as np
 import mlx.core as mx
 from ..executor import emit_tokens, propose_drafts
@@ -18,9 +19,9 @@ from ..tree_round import TreeRound, accept_tree, commit_tree, propose_tree
 # %% ../../nbs/07ea_batch_trees.ipynb #0b3de5c5
 def check_tree_rows(cache: list):
     """Raise `ValueError` naming the layer if a batch's caches cannot verify trees: batched tree rounds run on
-    full-attention and sliding-window layers."""
+    full-attention layers (quantized or not) and sliding-window ones."""
     for layer in cache:
-        if type(layer) not in (RaggedKVCache, RaggedRotatingKVCache):
+        if type(layer) not in (RaggedKVCache, RaggedRotatingKVCache, RaggedQuantizedKVCache):
             raise ValueError(
                 "batched tree rounds run on full-attention and sliding-window layers, and this target's batch has a "
                 f"{type(layer).__name__}: run its tree requests alone (spec_generate), or leave tree_budget unset"

@@ -359,6 +359,20 @@ def read_row(self: RaggedQuantizedKVCache, i: int, a: int, m: int) -> tuple:
     q = [x[i : i + 1, :, a : a + m, :] for x in self.quantized]
     return tuple(mx.dequantize(*q[j : j + 3], group_size=group_size, bits=bits) for j in (0, 3))
 
+
+@patch
+def compact(self: RaggedQuantizedKVCache, i: int, start: int, rows: list):
+    """Row `i` keeps its positions `rows` (ascending, each at least `start`) at `start` onward: a tree round's path
+    (07ea), in the quantized store once the row has turned, else in the full-precision one."""
+    if not self.turned[i]:
+        return RaggedKVCache.compact(self, i, start, rows)
+    n = start + len(rows)
+    if rows:
+        at = mx.array(rows)
+        for a in self.quantized:
+            a[i : i + 1, :, start:n, :] = a[i : i + 1, :, at, :]
+    self.ends[i] = n
+
 # %% ../../nbs/04f_quantized_kv.ipynb #59d08594
 def take_rule(layers: list, own: list):
     """Before a request's single-sequence caches `own` join the batch's `layers`: each full-attention layer with no rows
