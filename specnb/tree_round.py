@@ -217,6 +217,7 @@ def tree_round(
     emit_tokens,  # the executor's emit phase: in a tree round its rollback is `keep_tree`
 ):
     "The round over a draft tree: one forward over all of it, its longest accepted path kept. True: generation ended."
+    r.res.stats.rule = "match"  # a tree is walked by exact match, whatever `acceptance` asked for
     tree = propose_tree(r, n)
     toks, k = accept_tree(r, verify_tree_round(r, tree), tree)
     r.res.stats.count_round(max(tree.depths(), default=0), k, nodes=len(tree))

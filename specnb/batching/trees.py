@@ -100,6 +100,7 @@ def walk_tree_row(w, logits: mx.array, tree: Tree) -> bool:
     """A tree row's walk, emission and path kept, on its own random key; then, if it goes on, its next `pending` and
     `feed`. True when it ended."""
     r = w.r
+    r.res.stats.rule = "match"  # a tree is walked by exact match, whatever `acceptance` asked for
     with w.rng:
         toks, k = accept_tree(r, logits[: len(tree) + 1], tree)
     r.res.stats.count_round(max(tree.depths(), default=0), k, nodes=len(tree))
