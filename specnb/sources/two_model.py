@@ -13,10 +13,10 @@ from ..models import check_vocab
 from ..prefill import prefill_drain
 from ..caches.rollback import leaves, can_take, rollback
 from ..caches.recurrent import spec_cache
-from ..caches.quantized import quantize_cache, kv_options
+from ..caches.quantized import QuantizingKVCache, quantize_cache, kv_options
 from .base import TargetView, draft_distribution, draft_tokens
 from fastcore.basics import patch
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from ..tree import Tree, keep_rows, top_k, tree_forward
 
 # %% ../../nbs/05a_two_model.ipynb #4462334a
@@ -172,7 +172,7 @@ def _ancestors(parents: list, i: int) -> set:
 @patch
 def draft_tree(self: TwoModelSource, feed, n, budget, step=0, anchor_hidden=None):
     "Read `feed`, then grow a tree of at most `budget` nodes, `n` deep, by the draft's path probabilities (EAGLE-2)."
-    if not all(type(c) is KVCache for c in self.cache):
+    if not all(type(c) in (KVCache, QuantizingKVCache, QuantizedKVCache) for c in self.cache):
         raise ValueError(f"the two-model source grows trees on full-attention drafts only, not {self.cache[0]!r}")
     K, base = min(self.tree_width, budget), _held(self.cache) + len(feed)  # the root sits at base - 1
     logits = self.model(mx.array(feed, mx.uint32)[None], cache=self.cache)[0, -1:]
