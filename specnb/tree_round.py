@@ -17,6 +17,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from .caches.quantized import QuantizingKVCache
 from .accept import position_logprobs, processed_logits, sample_one, sample_positions
 from .caches.window import SpecRotatingKVCache
+from .caches.leaf_rows import LeafRows, check_leaf_cache, has_state, keep_leaf, verify_leaves
+from .caches.rollback import leaves
 from .sources.base import commit_chain, draft_chain
 from .tree import Tree, keep_rows, tree_forward, tree_mask
 
@@ -24,7 +26,9 @@ from .tree import Tree, keep_rows, tree_forward, tree_mask
 def check_tree_cache(cache: list):
     """Raise `ValueError` naming the cache type if a target cache cannot read a tree in one forward and keep its path:
     trees run on full-attention (`KVCache`, quantized or not) and sliding-window
-    (`SpecRotatingKVCache`) layers."""
+    (`SpecRotatingKVCache`) layers; a target with recurrent layers, as leaf rows (`check_leaf_cache`)."""
+    if has_state(cache):
+        return check_leaf_cache(cache)
     for c in cache:
         if type(c) not in (KVCache, QuantizingKVCache, QuantizedKVCache) and not isinstance(c, SpecRotatingKVCache):
             raise ValueError(
@@ -152,6 +156,7 @@ class TreeRound:
     tree: Tree
     start: int
     path: list = field(default_factory=list)
+    rows: LeafRows | None = None  # a hybrid target's leaf rows (04g), the request's caches untouched until `keep_tree`
 
 
 def propose_tree(r, n: int) -> Tree:
@@ -170,10 +175,14 @@ def propose_tree(r, n: int) -> Tree:
 
 
 def verify_tree_round(r, tree: Tree) -> mx.array:
-    "The verify phase over a tree: one target forward (its rows recorded for a source that reads them)."
-    r.tree = TreeRound(tree, r.cache[0].offset)
+    """The verify phase over a tree: one target forward (its rows recorded for a source that reads them) — over the
+    flattened tree, or on a hybrid target over its leaf rows."""
+    r.tree = TreeRound(tree, next(leaves(r.cache)).offset)
     with r.watch:
-        return verify_tree(r.model, r.cache, r.pending, tree)
+        if not has_state(r.cache):
+            return verify_tree(r.model, r.cache, r.pending, tree)
+        logits, r.tree.rows = verify_leaves(r.model, r.cache, r.pending, tree)
+        return logits
 
 
 def accept_tree(r, logits: mx.array, tree: Tree) -> tuple:
@@ -196,6 +205,11 @@ def accept_tree(r, logits: mx.array, tree: Tree) -> tuple:
 def keep_tree(r, kept: int):
     "The rollback of a tree round: the target's caches and the tap keep the root and the path's first `kept` nodes."
     t = r.tree
+    if t.rows is not None:  # a hybrid target: its caches take the row holding the path (04g), the tap that row
+        row = keep_leaf(t.rows, r.cache, t.path[:kept])
+        if r.tap:
+            r.tap.held = r.tap.take(batch=True)[row : row + 1, : 1 + kept]
+        return
     keep_tree_path(r.cache, t.start, t.path[:kept])
     if r.tap:
         keep_tap_rows(r.tap, len(t.tree) + 1, t.path[:kept])
