@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from .caches.quantized import QuantizingKVCache
 from .accept import position_logprobs, processed_logits, sample_one, sample_positions
 from .caches.window import SpecRotatingKVCache
-from .caches.leaf_rows import LeafRows, check_leaf_cache, has_state, keep_leaf, verify_leaves
+from .caches.leaf_rows import LeafRows, check_leaf_cache, has_state, verify_leaves
 from .caches.rollback import leaves
 from .sources.base import commit_chain, draft_chain
 from .tree import Tree, keep_rows, tree_forward, tree_mask
@@ -156,7 +156,7 @@ class TreeRound:
     tree: Tree
     start: int
     path: list = field(default_factory=list)
-    rows: LeafRows | None = None  # a hybrid target's leaf rows (04g), the request's caches untouched until `keep_tree`
+    rows: LeafRows | None = None  # leaf rows (04g): `keep(cache, nodes)` gives the request the accepted row
 
 
 def propose_tree(r, n: int) -> Tree:
@@ -182,6 +182,9 @@ def verify_tree_round(r, tree: Tree) -> mx.array:
         if not has_state(r.cache):
             return verify_tree(r.model, r.cache, r.pending, tree)
         logits, r.tree.rows = verify_leaves(r.model, r.cache, r.pending, tree)
+        if r.tap:  # the tap's rows of the forward, laid out as a flat tree's forward records them
+            for recorded in r.tap.recorded.values():
+                recorded[-1] = r.tree.rows.gather(recorded[-1])[None]
         return logits
 
 
@@ -205,12 +208,10 @@ def accept_tree(r, logits: mx.array, tree: Tree) -> tuple:
 def keep_tree(r, kept: int):
     "The rollback of a tree round: the target's caches and the tap keep the root and the path's first `kept` nodes."
     t = r.tree
-    if t.rows is not None:  # a hybrid target: its caches take the row holding the path (04g), the tap that row
-        row = keep_leaf(t.rows, r.cache, t.path[:kept])
-        if r.tap:
-            r.tap.held = r.tap.take(batch=True)[row : row + 1, : 1 + kept]
-        return
-    keep_tree_path(r.cache, t.start, t.path[:kept])
+    if t.rows is not None:  # leaf rows (04g): the caches take the row holding the path
+        t.rows.keep(r.cache, t.path[:kept])
+    else:
+        keep_tree_path(r.cache, t.start, t.path[:kept])
     if r.tap:
         keep_tap_rows(r.tap, len(t.tree) + 1, t.path[:kept])
 

@@ -22,7 +22,7 @@ from ..caches.rollback import leaves
 from ..caches.quantized import cap_window, take_rule
 from ..tap import Tap
 from ..tree import Tree
-from .trees import check_tree_rows, drain, propose_row, verify_rows, walk_tree_row
+from .trees import check_tree_rows, drain, propose_row, verify_rows, walk_rows
 from ..accept import RandomStream
 from .sources import check_batchable, BatchedProvider, drafts_together, group_of, DraftGroup, HeadGroup
 from ..executor import SpecRequest, SpecResult, spec_generate, spec_options
@@ -270,10 +270,11 @@ def _verify(self: Batch, plans: list) -> mx.array:
             logits = verify_rows(self.model, x, self.cache, plans, self.rows)
         else:
             with Tap(self.model, layers) as tap:
-                logits = verify_rows(self.model, x, self.cache, plans, self.rows)
+                logits = verify_rows(self.model, x, self.cache, plans, self.rows, tap)
             _hand_rows(tap, self.rows, plans)
     for layer in self.cache:
-        layer.ends = [e - (width - 1 - d) for e, (_, d) in zip(layer.ends, plans)]
+        # leaf rows (07ea) keep their extra rows until the walks end
+        layer.ends = [e - (width - 1 - d) for e, (_, d) in zip(layer.ends, plans)] + layer.ends[len(plans) :]
     return logits
 
 # %% ../../nbs/07e_batch.ipynb #4e247a17
@@ -364,13 +365,9 @@ def step(self: Batch) -> list:
     if not self.rows:
         return early  # every request failed its drafting
     logits = self._verify(plans)  # shared: if it raises, the whole round does
-    ended = []
-    for w, (drafts, d), lg in zip(list(self.rows), plans, logits):
-        try:
-            if walk_tree_row(w, lg, drafts) if isinstance(drafts, Tree) else _walk(w, lg, drafts, d):
-                ended.append(w)
-        except Exception as e:
-            self._fail(w, e)
+    ended, failed = walk_rows(list(self.rows), plans, logits, _walk)
+    for w, e in failed:
+        self._fail(w, e)
     left = []
     for w in ended:
         try:

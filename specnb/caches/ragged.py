@@ -133,15 +133,20 @@ def hand_back(self: RaggedKVCache, i: int, c: KVCache):
 
 
 @patch
-def drop(self: RaggedKVCache, i: int):
-    "Remove row `i`; the rows after it move up one."
-    keep = [j for j in range(len(self.ends)) if j != i]
-    self.ends.pop(i)
-    if not keep:
+def select(self: RaggedKVCache, rows: list):
+    "Keep the rows `rows`, in that order — a row named twice is copied (a tree's leaf rows, 04g) — and drop the rest."
+    self.ends = [self.ends[j] for j in rows]
+    if not rows:
         self.keys = self.values = None
     elif self.keys is not None:  # rows that joined empty (a one-token prompt holds nothing yet) have written nothing
-        idx = mx.array(keep)
+        idx = mx.array(rows)
         self.keys, self.values = self.keys[idx], self.values[idx]
+
+
+@patch
+def drop(self: RaggedKVCache, i: int):
+    "Remove row `i`; the rows after it move up one."
+    self.select([j for j in range(len(self.ends)) if j != i])
 
 # %% ../../nbs/04c_ragged.ipynb #3a833d0c
 @patch
@@ -401,10 +406,10 @@ def hand_back(self: RaggedRotatingKVCache, i: int, c):
 
 
 @patch
-def drop(self: RaggedRotatingKVCache, i: int):
-    "Remove row `i`; the rows after it move up one."
-    self.los.pop(i)
-    RaggedKVCache.drop(self, i)
+def select(self: RaggedRotatingKVCache, rows: list):
+    "Keep the rows `rows`, in that order (a row named twice is copied), each ring as it is; drop the rest."
+    self.los = [self.los[j] for j in rows]
+    RaggedKVCache.select(self, rows)
 
 
 @patch

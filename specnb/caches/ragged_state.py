@@ -223,13 +223,19 @@ def hand_back(self: RaggedStateCache, i: int, c: ArraysCache):
 
 
 @patch
+def select(self: RaggedStateCache, rows: list):
+    """Keep the rows `rows`, each state picked at its end, in that order (a row named twice is copied: a tree's leaf
+    rows, 04g); drop the rest."""
+    self._settle()
+    self.ends = [self.ends[j] for j in rows]
+    self.starts = list(self.ends)
+    self.cache = [None if a is None or not rows else a[mx.array(rows)] for a in self.cache]
+
+
+@patch
 def drop(self: RaggedStateCache, i: int):
     "Remove row `i`; the rows after it move up one."
-    self._settle()
-    keep = [j for j in range(len(self.ends)) if j != i]
-    self.ends.pop(i)
-    self.starts.pop(i)
-    self.cache = [None if a is None or not keep else a[mx.array(keep)] for a in self.cache]
+    self.select([j for j in range(len(self.ends)) if j != i])
 
 # %% ../../nbs/04e_ragged_state.ipynb #1e728c1d
 # a KV layer: not a mixer (KimiDeltaAttention is)
@@ -294,6 +300,10 @@ class RaggedCacheList(CacheList):
     def drop(self, i: int):
         for c in self.caches:
             c.drop(i)
+
+    def select(self, rows: list):
+        for c in self.caches:
+            c.select(rows)
 
     def trimmable(self, i: int) -> int:
         return min(c.trimmable(i) for c in self.caches)
