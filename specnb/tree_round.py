@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from .caches.quantized import QuantizingKVCache
 from .accept import position_logprobs, processed_logits, sample_one, sample_positions
 from .caches.window import SpecRotatingKVCache
-from .caches.leaf_rows import LeafRows, check_leaf_cache, has_state, verify_leaves
+from .caches.leaf_rows import check_leaf_cache, has_state, verify_leaves
 from .caches.rollback import leaves
 from .sources.base import commit_chain, draft_chain
 from .tree import Tree, keep_rows, tree_forward, tree_mask
@@ -156,7 +156,9 @@ class TreeRound:
     tree: Tree
     start: int
     path: list = field(default_factory=list)
-    rows: LeafRows | None = None  # leaf rows (04g): `keep(cache, nodes)` gives the request the accepted row
+    # leaf rows: a request's `LeafRows` (04g) or a batch row's `RowLeaves` (07ea), whose `keep(cache, nodes)` gives
+    # the request the accepted row
+    rows: object = None
 
 
 def propose_tree(r, n: int) -> Tree:

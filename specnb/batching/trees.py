@@ -12,7 +12,7 @@ __all__ = ['check_tree_rows', 'propose_row', 'row_ancestors', 'row_mask', 'verif
 from ..caches.ragged import RaggedKVCache, RaggedRotatingKVCache  # first: specnb loads OpenBLAS before MLX does
 from ..caches.quantized import RaggedQuantizedKVCache
 from ..caches.ragged_state import RaggedStateCache
-from ..caches.leaf_rows import has_state, leaf_paths
+from ..caches.leaf_rows import first_holding, has_state, leaf_paths, node_places
 from ..caches.rollback import leaves
 from dataclasses import dataclass, field
 import numpy as np
@@ -108,7 +108,7 @@ class LeafBatch:
     def keep(self, i: int, kept: list) -> int:
         "Tree row `i`'s rollback: the first of its rows whose path begins with `kept` ends after them; returns it."
         start, paths, rows = self.trees[i]
-        j = rows[next(k for k, p in enumerate(paths) if p[: len(kept)] == kept)]
+        j = rows[first_holding(paths, kept)]
         for layer in self.cache:
             ends = list(layer.ends)
             ends[j] = start + 1 + len(kept)
@@ -147,11 +147,7 @@ def _leaf_seqs(x: mx.array, plans: list) -> tuple:
             copies += [i] * (len(paths) - 1)
             seqs[i] = [root] + [p.tokens[u] for u in paths[0]]
             seqs += [[root] + [p.tokens[u] for u in path] for path in paths[1:]]
-            first = {}
-            for row, path in zip(rows, paths):
-                for depth, u in enumerate(path, 1):
-                    first.setdefault(u, (row, depth))
-            col[: len(p) + 1] = [(i, 0)] + [first[u] for u in range(len(p))]
+            col[: len(p) + 1] = node_places(paths, rows, (i, 0))
             trees[i] = (paths, rows)
         at.append(col)
     return seqs, copies, at, trees
@@ -176,8 +172,8 @@ def verify_leaf_rows(model, x: mx.array, cache: list, plans: list, rows: list, t
         recorded[-1] = recorded[-1][R, C]
     # `_verify` gives each request row back `width - 1 - d`: a chain row keeps its window, a tree row its root (until
     # `keep`), an extra row its root
+    tree_row = [isinstance(p, Tree) for p, _ in plans]
     for layer in cache:
-        tree_row = [isinstance(p, Tree) for p, _ in plans]
         layer.ends = [e + width - d * t for e, (_, d), t in zip(ends, plans, tree_row)] + [ends[i] + 1 for i in copies]
     return logits[R, C]
 
