@@ -922,7 +922,7 @@ def _tiny_configs(vocab: int) -> dict:
 def test_trees_on_sliding_and_hybrid_targets(kind, tmp_path):
     """`--tree-budget` on a sliding-window target: trees run past the window, two requests at once in batched tree
     rounds (each row's path kept on its own ring); on a hybrid target (Gated DeltaNet beside attention), batched tree
-    rounds of leaf rows (04g, 07ea); each answer plain decoding's."""
+    rounds of leaf rows (04g, 07ea); each answer plain decoding's, with a bad request among them refused on its own."""
     import mlx_lm
     from tokenizers import Tokenizer
 
@@ -939,8 +939,10 @@ def test_trees_on_sliding_and_hybrid_targets(kind, tmp_path):
         health = httpx.get(u + "/health").json()
         assert (health["tree_budget"], health["batch"]["max_size"], health["batch"]["not_batched"]) == (6, 8, None)
         name = c.models.list().data[0].id
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(3) as pool:  # one bad request among them: a 400 naming it, the others unchanged
+            bad = pool.submit(post_bad, u, "completions", {"model": name, "prompt": [1, 10**6], "max_tokens": 8})
             got = list(pool.map(lambda p: c.completions.create(model=name, prompt=p, max_tokens=24), prompts))
+        assert bad.result().status_code == 400 and "1000000" in bad.result().json()["error"]["message"]
         assert [g.choices[0].text for g in got] == wants
         assert got[1].usage.speculation["rounds"] > 0
 
