@@ -311,7 +311,12 @@ def draft_kind(model, draft_model, kind=None, draft_head=None, lookup_first: boo
         kind = "ngram" if model else "two-model"  # a target of one's own: lookup works with any
     find_kind(kind)
     if lookup_first is None:  # the drafter's own default, where its kind can draft behind lookup
-        lookup_first = drafter_defaults(draft_model).get("lookup_first", False) and f"{kind}+lookup" in KINDS
+        # only a kind that reads that drafter asks it (offline, a hub id would wait through retries for nothing)
+        lookup_first = (
+            f"{kind}+lookup" in KINDS
+            and KINDS[kind].takes("draft_model")
+            and drafter_defaults(draft_model).get("lookup_first", False)
+        )
     if lookup_first and not kind.endswith("+lookup"):
         if f"{kind}+lookup" not in KINDS:
             raise ValueError(
