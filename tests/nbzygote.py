@@ -14,12 +14,19 @@ Protocol, one line each way per notebook: `path<TAB>flags<TAB>log` in (the log g
 its exit status out."""
 
 import os, sys, threading
+from pathlib import Path
+
+TASKS = Path("/proc/self/task")
 
 import specnb  # first, as in a notebook: it loads OpenBLAS before MLX (nbs/00c_blas.ipynb)
 
 # loaded once, for every child
 import execnb.shell, fastcore.test, mlx.core, mlx.nn, mlx_lm, nbdev.test, numpy  # noqa: F401
 import specnb.executor, specnb.models  # noqa: F401
+
+# and what many import (seconds each, in every notebook that does): mlx-vlm's drafters (~5 s; the published-drafter
+# oracles), scipy's statistics (the chi-square gates), hypothesis, the server's stack
+import hypothesis, mlx_vlm.speculative.drafters, scipy.stats, specnb.serve  # noqa: F401
 
 
 def run(path: str, flags: str, log: str):
@@ -38,6 +45,8 @@ def serve():
     for line in sys.stdin:
         path, flags, log = line.rstrip("\n").split("\t")
         assert threading.active_count() == 1, "a thread started in the zygote: a forked child would not have it"
+        # MLX's own threads too (they start with its first operation): every OS thread, where Linux lists them
+        assert not TASKS.exists() or len(list(TASKS.iterdir())) == 1, "an OS thread started in the zygote (an MLX op?)"
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:

@@ -917,7 +917,6 @@ def _tiny_configs(vocab: int) -> dict:
     }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sliding", "hybrid"])
 def test_trees_on_sliding_and_hybrid_targets(kind, tmp_path):
     """`--tree-budget` on a sliding-window target: trees run past the window, two requests at once in batched tree
@@ -951,7 +950,6 @@ def test_trees_on_sliding_and_hybrid_targets(kind, tmp_path):
 KV_FLAGS = {"hybrid-kv": ("--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "12")}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sliding", "hybrid", "hybrid-kv"])
 def test_prompt_cache_on_sliding_and_hybrid_targets(kind, tmp_path):
     """`specnb serve` on a tiny sliding-window and a tiny hybrid target with a perturbed draft, and the hybrid with a
