@@ -74,17 +74,23 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for unit in longest_first for item in unit]
 
 
-_took = {}
+_took, _skipped = {}, set()
 
 
 def pytest_runtest_logreport(report):
     "Add up each test's setup, call and teardown (on the controller, for every worker's tests)."
     _took[report.nodeid] = _took.get(report.nodeid, 0.0) + report.duration
+    if report.skipped:
+        _skipped.add(report.nodeid)
 
 
 def pytest_sessionfinish(session):
+    """With `--store-durations`, write what each test took; a test skipped in this run (a slow one without `--slow`)
+    keeps the time it took when it last ran, so a run that does include it still starts it in its place."""
     if session.config.getoption("--store-durations") and "PYTEST_XDIST_WORKER" not in os.environ:
-        DURATIONS.write_text(json.dumps({k: round(v, 1) for k, v in sorted(_took.items())}, indent=0) + "\n")
+        before = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        took = {k: before.get(k, v) if k in _skipped else v for k, v in _took.items()}
+        DURATIONS.write_text(json.dumps({k: round(v, 1) for k, v in sorted(took.items())}, indent=0) + "\n")
 
 
 @pytest.fixture(scope="session")
