@@ -25,8 +25,11 @@ import execnb.shell, fastcore.test, mlx.core, mlx.nn, mlx_lm, nbdev.test, numpy 
 import specnb.executor, specnb.models  # noqa: F401
 
 # and what many import (seconds each, in every notebook that does): mlx-vlm's drafters (~5 s; the published-drafter
-# oracles), scipy's statistics (the chi-square gates), hypothesis, the server's stack
+# oracles), scipy's statistics (the chi-square gates), hypothesis, the server's stack, jsonschema (~2.4 s: ten notebooks
+# validate structured output with it), matplotlib's pyplot (~1.2 s, nine plotting notebooks) and the openai client (~0.9
+# s, seven). Not speculators (~3.7 s, three notebooks): importing it starts an OS thread.
 import hypothesis, mlx_vlm.speculative.drafters, scipy.stats, specnb.serve  # noqa: F401
+import jsonschema, matplotlib.pyplot, openai  # noqa: F401
 
 
 def run(path: str, flags: str, log: str):
