@@ -6,7 +6,7 @@ Docs: https://specnb.github.io/specnb/train_eagle3.html.md"""
 
 # %% auto #0
 __all__ = ['greedy_vocab', 'draft_ids', 'norm_scale', 'new_eagle3', 'unrolled_eagle3', 'eagle3_losses', 'fit_fc_norm',
-           'draft_labels', 'eval_row', 'train_eagle3']
+           'draft_labels', 'eval_row', 'train_eagle3', 'expected_accepted']
 
 # %% ../../nbs/05o_train_eagle3.ipynb #ebe0a850
 import math, time
@@ -185,3 +185,8 @@ def train_eagle3(
         seen=lambda step: {"tokens": step * batch * seq},
         log=log,
     )
+
+# %% ../../nbs/05o_train_eagle3.ipynb #19a2e858
+def expected_accepted(agree) -> float:
+    "Expected drafts accepted per round from per-step agreements `a_1..a_γ`: the sum over k of a_1 · … · a_k."
+    return float(sum(np.prod(agree[:k]) for k in range(1, len(agree) + 1)))
