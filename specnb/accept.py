@@ -114,14 +114,18 @@ class Sampling:
         return categorical_sampling(self._filter(logprobs, xtc), self.temp)
 
     def logprobs(self, logprobs: mx.array) -> mx.array:
-        """The log-distribution `__call__` samples from (at temperature 0, or one too small for float32: all mass on the
-        argmax); with XTC, the mixture of its two branches."""
+        """The log-distribution `__call__` samples from, given `(P, V)` log-probabilities or unnormalized logits (at
+        temperature 0, or one too small for float32: all mass on the argmax); with XTC, the mixture of its two
+        branches."""
         if self.greedy:
             return mx.where(mx.arange(logprobs.shape[-1]) == mx.argmax(logprobs, -1, keepdims=True), 0.0, -mx.inf)
 
         def dist(x):
-            return x / self.temp - mx.logsumexp(x / self.temp, axis=-1, keepdims=True)
+            x = x / self.temp
+            return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
+        if 0 < self.top_p < 1:  # the one filter that reads probabilities: the others and `dist` shift-invariant
+            logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
         kept = dist(self._filter(logprobs))
         if self.xtc_probability == 0:
             return kept
@@ -188,19 +192,13 @@ def accept_walk(
     reject = draft_logprobs is not None and sampler is not None
     if not logits_processors and grammar is None:
         if reject:
-            toks, ok = _rejection_window(logits, drafts, sampler, draft_logprobs)  # one sampling graph …
+            toks, k = _rejection_window(logits, drafts, sampler, draft_logprobs)
         else:
-            toks, ok = sample_positions(logits, sampler), None
-        mx.eval(toks, ok, drafts if isinstance(drafts, mx.array) else None)
-        if isinstance(drafts, mx.array):
-            drafts = drafts.tolist()
-        toks, d, k = toks.tolist(), len(drafts), 0  # … one host read-back
-        if reject:
-            ok = ok.tolist()
-            while k < d and ok[k]:
-                k += 1
-            toks = drafts[:k] + [toks[k]]
-        else:
+            toks = sample_positions(logits, sampler)  # one sampling graph …
+            mx.eval(toks, drafts if isinstance(drafts, mx.array) else None)
+            if isinstance(drafts, mx.array):
+                drafts = drafts.tolist()
+            toks, d, k = toks.tolist(), len(drafts), 0  # … one host read-back
             while k < d and toks[k] == drafts[k]:
                 k += 1
             toks = toks[: k + 1]
@@ -260,18 +258,20 @@ def position_logprobs(
 
 # %% ../nbs/03_accept.ipynb #fd373ed7
 def _rejection_window(logits, drafts, sampler, draft_logprobs):
-    """All positions at once: `(fix, ok)` — the token each position would emit if the walk stopped there, and whether
-    each draft is kept."""
-    lp = sampler.logprobs(logits - mx.logsumexp(logits, axis=-1, keepdims=True))  # (d+1, V): the target's p
+    """The rule over the whole window: `(tokens, k)` — the `k` kept drafts, then the one draw the walk stops with (the
+    residual at the first rejected position, or the bonus). Every position's test is one graph and one read-back; the
+    draw after it is computed for its one row."""
+    lp = sampler.logprobs(logits)  # (d+1, V): the target's p, lazy
     d = draft_logprobs.shape[0]
-    if d == 0:
-        return mx.random.categorical(lp), mx.zeros((0,), mx.bool_)
     x = (drafts if isinstance(drafts, mx.array) else mx.array(drafts)).astype(mx.int32)
     rows = mx.arange(d)
     ok = mx.log(mx.random.uniform(shape=(d,))) < lp[rows, x] - draft_logprobs[rows, x]  # u < p(x) / q(x)
-    # residuals, then the bonus
-    fix = mx.random.categorical(mx.concatenate([_residual(lp[:d], draft_logprobs), lp[d:]]))
-    return fix, ok
+    mx.eval(ok, lp, x)  # p for every row: the draw below reads one of them
+    ok, drafts, k = ok.tolist(), x.tolist(), 0
+    while k < d and ok[k]:
+        k += 1
+    row = lp[k : k + 1] if k == d else _residual(lp[k : k + 1], draft_logprobs[k : k + 1])
+    return drafts[:k] + [mx.random.categorical(row).item()], k
 
 
 def _rejection_one(logits, sampler, grammar, x, lq):
@@ -279,7 +279,7 @@ def _rejection_one(logits, sampler, grammar, x, lq):
     position)."""
     if grammar is not None:
         logits = grammar.mask(logits)
-    lp = sampler.logprobs(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    lp = sampler.logprobs(logits)
     if x is None:
         return mx.random.categorical(lp).item(), False
     if mx.log(mx.random.uniform()).item() < (lp[0, x] - lq[0, x]).item():

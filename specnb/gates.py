@@ -13,6 +13,7 @@ import numpy as np
 import mlx.core as mx
 from .accept import Sampling
 from .executor import spec_generate
+from .sources.base import widen
 
 # %% ../nbs/07b_sampling.ipynb #c0ffee02
 def next_token_dist(model, ids, sampling):
@@ -107,9 +108,9 @@ class RecordingSampler:
         return getattr(self.__dict__["sampler"], name)
 
 
-def check_draft(tokens, q: mx.array, recorder: RecordingSampler) -> int:
+def check_draft(tokens, q: mx.array, recorder: RecordingSampler, ids=None) -> int:
     """Fail unless `q` — what a source reports for its `tokens` — is the distribution the sampler drew each of them
-    from; the rows checked."""
+    from; the rows checked. `ids`: the target ids of the columns drawn over (a drafter's own vocabulary)."""
     tokens = np.array(
         mx.concatenate([mx.array(t).reshape(-1) for t in tokens]) if isinstance(tokens, list) else tokens
     ).reshape(-1)
@@ -117,8 +118,11 @@ def check_draft(tokens, q: mx.array, recorder: RecordingSampler) -> int:
     assert recorder.draws, "the source reported draft log-probabilities but drew nothing through the request's sampler"
     rows = mx.concatenate([lp.reshape(-1, lp.shape[-1]) for lp, _ in recorder.draws])[:d]
     drawn = np.array(mx.concatenate([y.reshape(-1) for _, y in recorder.draws]))[:d]
+    lw = recorder.sampler.logprobs(rows)
+    if ids is not None:  # drawn over the drafter's own vocabulary: column j is token ids[j]
+        drawn, lw = np.array(ids)[drawn], widen(lw, ids, q.shape[-1])
     assert (drawn == tokens).all(), f"the source proposed {tokens.tolist()} but drew {drawn.tolist()}"
-    want, have = np.array(mx.exp(recorder.sampler.logprobs(rows))), np.array(mx.exp(q[:d]))
+    want, have = np.array(mx.exp(lw)), np.array(mx.exp(q[:d]))
     assert np.abs(want - have).max() < 1e-5, (
         f"reported draft probabilities differ from those drawn from by {np.abs(want - have).max():.2e}"
     )
@@ -143,7 +147,7 @@ class _CheckedSource:
     def draft_logprobs(self):
         q = self.source.draft_logprobs()
         if q is not None and len(self.tokens):
-            self.checked.append(check_draft(self.tokens, q, self.recorder))
+            self.checked.append(check_draft(self.tokens, q, self.recorder, getattr(self.source, "ids", None)))
         return q
 
 

@@ -97,11 +97,12 @@ class Expansion:
     scores: list = field(default_factory=list)
     read: list = field(default_factory=list)
 
-    def offer(self, nodes: list, logprobs: mx.array, k: int) -> list:
+    def offer(self, nodes: list, logprobs: mx.array, k: int, columns=None) -> list:
         """Each of `nodes` (-1: the root) offers its `k` likeliest children, row i of `logprobs` `(len(nodes), V)`
         being node i's next-token distribution; the new nodes. A token the drafter cannot propose (-inf) is never
-        offered."""
+        offered; `columns`: the token ids of `logprobs`' columns (a drafter's own vocabulary; None: column j is j)."""
         ids, vals = top_k(logprobs, k)
+        ids = ids if columns is None else columns[ids]
         vals = vals.tolist()
         new = []
         for u, row, vs in zip(nodes, ids.tolist(), vals):

@@ -16,7 +16,7 @@ from fastcore.basics import patch
 from ..caches.ragged import RaggedKVCache, RowCache, Slot, lend, take_back
 from ..caches.quantized import take_rule
 from ..caches.ragged_state import batch_cache, unbatched_state
-from ..sources.base import TargetView
+from ..sources.base import TargetView, sample_draft
 from ..accept import sample_positions
 from ..sources.two_model import TwoModelSource
 from ..sources.chain import HeadSource
@@ -312,7 +312,7 @@ def _sample_head_row(w, logits: mx.array) -> mx.array:
     its own `draft` does)."""
     src = w.r.source
     with w.rng:
-        y = sample_positions(logits, src.sampler)
+        y = sample_draft(logits, src.sampler, src.ids)
     src.out.append(y)
     src.logits.append(logits)
     return y
@@ -345,12 +345,13 @@ def _steps(self: HeadGroup, ws: list, ns: list, newest: list, failed: dict):
         # a speculative entry per row
         if s:
             a = self.head(a, src.embed(y), mask=self.cache.make_mask(1), cache=self.cache)
-        logits = src.readout(a[:, -1])
+        # over the drafter's own vocabulary for the rows that draft over it (`ids`), the target's for the others
+        logits = {own: src.readout(a[:, -1], own) for own in {w.r.source.ids is not None for w in ws}}
         ys = []
         for i, w in enumerate(ws):
             # done: it steps on its last draft
             try:
-                ys.append(_sample_head_row(w, logits[i : i + 1]) if s < ns[i] else y[i])
+                ys.append(_sample_head_row(w, logits[w.r.source.ids is not None][i : i + 1]) if s < ns[i] else y[i])
             except Exception as e:  # its own sampler: it steps on its last token until the group is done, then leaves
                 failed[i], ns[i] = e, s
                 ys.append(y[i])

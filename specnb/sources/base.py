@@ -6,8 +6,8 @@ Docs: https://specnb.github.io/specnb/sources.html.md"""
 
 # %% auto #0
 __all__ = ['TargetView', 'DraftSource', 'DraftProvider', 'TreeSource', 'draft_chain', 'commit_chain', 'fork_grammar',
-           'output_layer', 'output_head', 'draft_distribution', 'compute_dtype', 'draft_tokens', 'NoDraft',
-           'protocol_mismatches']
+           'output_layer', 'output_head', 'widen', 'draft_distribution', 'sample_draft', 'compute_dtype',
+           'draft_tokens', 'NoDraft', 'protocol_mismatches']
 
 # %% ../../nbs/05_sources.ipynb #21338cac
 import inspect
@@ -96,13 +96,29 @@ def output_head(model):
     return layer.as_linear if layer is text_model(model).model.embed_tokens else layer
 
 
-def draft_distribution(logits: list, sampler) -> mx.array | None:
+def widen(logits: mx.array, ids: mx.array, vocab: int) -> mx.array:
+    """Logits over a drafter's own vocabulary — column j is target token `ids[j]` — as `(…, vocab)` target-vocabulary
+    logits: every other token at -inf (never drafted)."""
+    full = mx.full((*logits.shape[:-1], vocab), -mx.inf, logits.dtype)
+    full[..., ids] = logits
+    return full
+
+
+def draft_distribution(logits: list, sampler, ids=None, vocab: int = 0) -> mx.array | None:
     """The `(d, V)` log-distributions `sampler` draws from, one per row of the draft's `logits` (None: no drafts, or a
-    sampler that cannot say)."""
+    sampler that cannot say); `ids`: the target ids of the rows' columns, a drafter's own vocabulary (then widened to
+    the target's `vocab`)."""
     if not logits or not hasattr(sampler, "logprobs"):
         return None
-    lg = mx.concatenate(logits)
-    return sampler.logprobs(lg - mx.logsumexp(lg, axis=-1, keepdims=True))
+    lq = sampler.logprobs(mx.concatenate(logits))
+    return lq if ids is None else widen(lq, ids, vocab)
+
+
+def sample_draft(logits: mx.array, sampler=None, ids=None) -> mx.array:
+    """A draft's token ids sampled from its `(P, V')` logits (`sample_positions`); `ids`: the target ids of the
+    columns, when they are a drafter's own vocabulary."""
+    y = sample_positions(logits, sampler)
+    return y if ids is None else ids[y].astype(y.dtype)
 
 
 def compute_dtype(model):
@@ -118,6 +134,7 @@ def draft_tokens(
     sampler=None,  # the request's sampler (None: greedy)
     grammar=None,  # the request's grammar: the loop walks a fork of it
     confident=None,  # confident(logits): False stops before sampling (a draft model's `p_min`)
+    ids=None,  # the target ids of the logits' columns, a drafter's own vocabulary (None: the target's; no grammar)
 ) -> tuple:
     """The loop every stepping drafter shares: `(tokens, logits)`, up to `n` `(1,)` token ids and the masked logits each
     was sampled from."""
@@ -128,7 +145,7 @@ def draft_tokens(
             logits = g.mask(logits)
         if confident is not None and not confident(logits):
             break
-        y = sample_positions(logits, sampler)
+        y = sample_draft(logits, sampler, ids)
         if g is not None:
             g.advance(y.item())  # the fork needs the token before it can mask the next position
         else:

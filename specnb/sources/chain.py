@@ -22,7 +22,7 @@ from ..models import bundled_dir
 from ..caches.recurrent import spec_cache
 from ..tap import arch_name, check_tappable, probe_tap, text_model
 from ..tree import Expansion, Tree, at_positions
-from .base import TargetView, draft_distribution, draft_tokens, output_head, output_layer
+from .base import TargetView, draft_distribution, draft_tokens, output_head, output_layer, widen
 
 # %% ../../nbs/05e_head.ipynb #82af87f1
 def check_head_target(model, tap_layers: list) -> list:
@@ -137,15 +137,15 @@ class DraftHead(nn.Module):
         x = text_model(model).model.norm(self.out(a))
         return output_head(model)(x) if rows is None else x @ rows.T
 
-    def readout(self, model, a, rows=None) -> mx.array:
+    def vocab_ids(self) -> mx.array | None:
+        "The target ids of the draft vocabulary, in column order (None: it drafts over the whole vocabulary)."
+        return self.d2t if self.cfg.draft_vocab else None
+
+    def readout(self, model, a, rows=None, full=True) -> mx.array:
         """Full-vocabulary logits of head outputs `a`; with a draft vocabulary (its `rows`), every other token at -inf
-        (never drafted)."""
+        (never drafted) — or, `full=False`, just the draft vocabulary's columns (`vocab_ids`)."""
         logits = self.logits(model, a, rows)
-        if rows is None:
-            return logits
-        full = mx.full((*logits.shape[:-1], self.cfg.vocab_size), -mx.inf)
-        full[..., self.d2t] = logits
-        return full
+        return logits if rows is None or not full else widen(logits, self.d2t, self.cfg.vocab_size)
 
 # %% ../../nbs/05e_head.ipynb #da9b14ce
 def save_head(head: DraftHead, path, dtype=mx.float16):
@@ -222,6 +222,11 @@ class HeadSource:
         # its own, else the target's
         self.embed = head.embed_tokens if "embed_tokens" in head else text_model(target.model).model.embed_tokens
         self.rows = head.vocab_rows(target.model)
+        # a drafter with its own vocabulary drafts over it — a fraction of the target's to sample from, and to hand the
+        # rejection rule — unless the request needs the target's: a grammar's mask, XTC's special tokens
+        ids = head.vocab_ids() if hasattr(head, "vocab_ids") else None
+        own = ids is not None and grammar is None and not getattr(sampler, "xtc_special_tokens", ())
+        self.ids, self.vocab = (ids, output_layer(target.model).weight.shape[0]) if own else (None, 0)
         self.cache, self.tokens, self.last, self.newest, self.out, self.logits, self.skipped = (
             HeadCache(head.depth),
             [],
@@ -282,8 +287,11 @@ class HeadSource:
                 f"of {t}"
             )
 
-    def readout(self, a):
-        "Full-vocabulary logits of head outputs `a` (a token the drafter cannot propose at -inf)."
+    def readout(self, a, own=None):
+        """Logits of head outputs `a` over the drafter's own vocabulary (`own`; default: where this request drafts over
+        it, `ids`), else over the target's (a token the drafter cannot propose at -inf)."""
+        if self.ids is not None if own is None else own:
+            return self.head.readout(self.target.model, a, self.rows, full=False)
         return self.head.readout(self.target.model, a, self.rows)
 
     def _step(self, y):
@@ -304,7 +312,7 @@ class HeadSource:
         if n == 0 or self.last is None:
             return []  # nothing read yet: a plain round
         start = self.cache.offset
-        self.out, self.logits = draft_tokens(self._step, n, self.sampler, self.grammar)
+        self.out, self.logits = draft_tokens(self._step, n, self.sampler, self.grammar, ids=self.ids)
         self.cache.trim(self.cache.offset - start)  # speculative entries out: the kept rows come next round
         return mx.concatenate(self.out)  # lazy: evaluated together with the verify forward
 
@@ -315,7 +323,7 @@ class HeadSource:
 
     def draft_logprobs(self):
         "The distributions the last drafts were sampled from (lazy), for the rejection rule."
-        return draft_distribution(self.logits, self.sampler)
+        return draft_distribution(self.logits, self.sampler, self.ids, self.vocab)
 
     def save(self, held, anchor_hidden=None) -> list:
         """Hand over the head's cache for the target's `held` tokens: read the kept rows it has not (all but the newest,
@@ -382,7 +390,7 @@ def draft_tree(self: HeadSource, feed, n, budget, step=0, anchor_hidden=None) ->
         return Tree()
     g, k, start = Expansion(), min(self.tree_width, budget), self.cache.offset
     front, outs = [-1], self.last[:, -1:]  # the nodes read last (the root), and the head's outputs at them
-    new = g.offer(front, nn.log_softmax(self.readout(outs[0]).astype(mx.float32)), k)
+    new = g.offer(front, nn.log_softmax(self.readout(outs[0]).astype(mx.float32)), k, self.ids)
     for depth in range(1, n):
         if not new:
             break
@@ -393,7 +401,7 @@ def draft_tree(self: HeadSource, feed, n, budget, step=0, anchor_hidden=None) ->
         tokens = self.embed(mx.array([[g.tokens[i] for i in front]], mx.uint32))
         with at_positions(self.head, mx.full((len(front),), start + depth - 1)):
             outs = self.head(feature, tokens, mask=mask, cache=self.cache)
-        new = g.offer(front, nn.log_softmax(self.readout(outs[0]).astype(mx.float32)), k)
+        new = g.offer(front, nn.log_softmax(self.readout(outs[0]).astype(mx.float32)), k, self.ids)
     self.cache.trim(self.cache.offset - start)  # the tree's entries out: the path's rows come next round
     self.grown = g  # the last tree as it grew (for a look inside)
     return g.tree(budget)

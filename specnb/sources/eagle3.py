@@ -16,7 +16,7 @@ import mlx.core as mx, mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen3
 from ..checkpoint import read_checkpoint, read_config, write_checkpoint
-from .base import TargetView, compute_dtype
+from .base import TargetView, compute_dtype, widen
 from .chain import HeadSource, check_head_target
 from ..tap import text_model
 
@@ -187,15 +187,15 @@ class Eagle3(nn.Module):
     def vocab_rows(self, model):
         return None  # its own lm_head: nothing to read from the target's
 
-    def readout(self, model, a, rows=None) -> mx.array:
+    def vocab_ids(self) -> mx.array | None:
+        "The target ids of the draft vocabulary, in column order (None: it drafts over the whole vocabulary)."
+        return mx.arange(self.spec.draft_vocab) + self.d2t if "d2t" in self else None
+
+    def readout(self, model, a, rows=None, full=True) -> mx.array:
         """Logits of outputs `a` over the target's vocabulary: each draft token's at its target id, every other token at
-        -inf."""
+        -inf — or, `full=False`, just the draft vocabulary's columns (`vocab_ids`)."""
         logits = self.draft_logits(a)
-        if "d2t" not in self:
-            return logits
-        full = mx.full((*logits.shape[:-1], self.vocab_size), -mx.inf, logits.dtype)
-        full[..., mx.arange(self.spec.draft_vocab) + self.d2t] = logits
-        return full
+        return logits if "d2t" not in self or not full else widen(logits, self.vocab_ids(), self.vocab_size)
 
 # %% ../../nbs/05m_eagle3.ipynb #e3c63147
 def checkpoint_folder(path) -> Path:
