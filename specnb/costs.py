@@ -123,23 +123,22 @@ def median_seconds(f, n: int = 15, setup=None) -> float:
     return statistics.median(ts)
 
 
-def verify_costs(model, prompt: list, ks) -> dict:
-    """Median seconds of one target forward over k new tokens after `prompt`, for each k in `ks` (a verify window of k =
-    γ+1)."""
+def verify_costs(model, prompt: list, ks, n: int = 15) -> dict:
+    """Median seconds of one target forward over k new tokens after `prompt` (and its rollback), for each k in `ks` (a
+    verify window of k = γ+1): the widths interleaved, `n` rounds after a warm-up round, so that a drift in the
+    machine's speed reaches every width alike."""
     # sliding-window rings with slack: the window can be given back past the ring's size
     cache = make_spec_cache(model, max(ks))
     prefill_drain(model, cache, prompt)
-
-    def window(k):
-        x = mx.array([prompt[-1:] * k], mx.uint32)  # the cost does not depend on which tokens
-
-        def run():
-            mx.eval(model(x, cache=cache))
+    xs = {k: mx.array([prompt[-1:] * k], mx.uint32) for k in ks}  # the cost does not depend on which tokens
+    runs = {k: [] for k in ks}
+    for r in range(n + 1):
+        for k in ks:
+            t0 = time.perf_counter()
+            mx.eval(model(xs[k], cache=cache))
             rollback(cache, k)
-
-        return run
-
-    return {k: median_seconds(window(k)) for k in ks}
+            runs[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(ts[1:]) for k, ts in runs.items()}  # the first round was the warm-up
 
 
 def draft_costs(provider, model, prompt: list, ns) -> dict:

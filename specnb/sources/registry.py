@@ -266,7 +266,8 @@ def refuse_unread_drafter(path):
 
 
 DEFAULTS_FILE = "specnb.json"  # in a drafter's folder: the drafting it was measured fastest with
-_DEFAULT_KEYS = {"lookup_first": bool}  # what that file may say; keys starting with "_" are notes
+# what that file may say (γ: the drafts per round measured fastest with its other defaults); "_…" keys are notes
+_DEFAULT_KEYS = {"lookup_first": bool, "num_draft_tokens": int}
 
 
 def drafter_defaults(draft_model) -> dict:
@@ -291,7 +292,12 @@ def drafter_defaults(draft_model) -> dict:
     said = {k: v for k, v in json.loads(f.read_text()).items() if not k.startswith("_")}
     for k, v in said.items():
         if type(v) is not _DEFAULT_KEYS.get(k):
-            raise ValueError(f"{f}: {k}={v!r} is not a drafting default specnb reads (lookup_first: true or false)")
+            raise ValueError(
+                f"{f}: {k}={v!r} is not a drafting default specnb reads (lookup_first: true or false; "
+                "num_draft_tokens: a count >= 1)"
+            )
+    if said.get("num_draft_tokens", 1) < 1:
+        raise ValueError(f"{f}: num_draft_tokens={said['num_draft_tokens']} is not a count of drafts (>= 1)")
     return said
 
 
@@ -341,10 +347,13 @@ def drafting_options(args) -> dict:
 
 
 def default_draft_tokens(kind: str, draft_model=None) -> int:
-    """γ when `--num-draft-tokens` is not given: 3, a DFlash or DSpark checkpoint's whole block (`block_size - 1`
-    drafts per forward), or the drafts per round an EAGLE-3 checkpoint proposes (speculators' `speculative_tokens`)."""
+    """γ when `--num-draft-tokens` is not given: what the drafter's `specnb.json` says (`num_draft_tokens`, measured
+    fastest with its other defaults), else 3, a DFlash or DSpark checkpoint's whole block (`block_size - 1` drafts per
+    forward), or the drafts per round an EAGLE-3 checkpoint proposes (speculators' `speculative_tokens`)."""
     from specnb.checkpoint import read_config
 
+    if (said := drafter_defaults(draft_model).get("num_draft_tokens")) is not None:
+        return said
     if kind.split("+")[0] == "eagle3" and draft_model is not None:
         from specnb.sources.eagle3 import read_eagle3
 
