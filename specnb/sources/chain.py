@@ -207,7 +207,8 @@ class HeadCache(KVCache):
 
 class HeadSource:
     """Per-request state of a drafter on the target's hidden states (this head, or a published one: `fuse`, `__call__`,
-    `readout`, `vocab_rows`, `depth`): its cache, in lockstep with the target's."""
+    `readout`, `vocab_rows`, `depth`; with a draft vocabulary, `vocab_ids` and `readout(…, full=False)`): its cache, in
+    lockstep with the target's."""
 
     def __init__(
         self,
