@@ -291,7 +291,7 @@ class HeadSource:
     def readout(self, a, own=None):
         """Logits of head outputs `a` over the drafter's own vocabulary (`own`; default: where this request drafts over
         it, `ids`), else over the target's (a token the drafter cannot propose at -inf)."""
-        if self.ids is not None if own is None else own:
+        if self.ids is not None if own is None else own:  # (a head without a draft vocabulary takes no `full`)
             return self.head.readout(self.target.model, a, self.rows, full=False)
         return self.head.readout(self.target.model, a, self.rows)
 
