@@ -21,7 +21,7 @@ from mlx_lm.models.cache import CacheList, KVCache
 from ..models import bundled_dir
 from ..caches.recurrent import spec_cache
 from ..tap import arch_name, check_tappable, probe_tap, text_model
-from ..tree import Expansion, Tree, at_positions
+from ..tree import Expansion, Tree, at_positions, chain_siblings
 from .base import TargetView, draft_distribution, draft_tokens, output_head, output_layer, widen
 
 # %% ../../nbs/05e_head.ipynb #82af87f1
@@ -376,22 +376,32 @@ class HeadProvider:
         return HeadSource(self.head, target, sampler, grammar)
 
 # %% ../../nbs/05e_head.ipynb #d51e06e7
-HeadSource.tree_width = 4  # in a tree round: children offered per node, and nodes read per depth
+HeadSource.tree_width = 4  # in a tree round: nodes read per depth (1: the chain, its siblings beside it)
+HeadSource.tree_branch = 4  # and children offered per node read
 
 
 @patch
 def draft_tree(self: HeadSource, feed, n, budget, step=0, anchor_hidden=None) -> Tree:
     """Read `feed` and the kept rows as `draft` does, then grow EAGLE-2's tree of at most `budget` nodes, `n` deep: at
-    each depth one head forward over the likeliest newest nodes, each attending to the context and its own ancestors."""
+    each depth one head forward over the likeliest newest nodes, each attending to the context and its own ancestors.
+    Reading one node a depth, the tree is the chain and its siblings (`chain_siblings`): the head steps as a chain's."""
     self.note(feed)
     self.last = self._read(anchor_hidden, self.tokens)
     self.check_lockstep()
     self.out, self.logits = [], []
     if n == 0 or self.last is None:
         return Tree()
-    g, k, start = Expansion(), min(self.tree_width, budget), self.cache.offset
+    g, k, b, start = Expansion(), min(self.tree_width, budget), min(self.tree_branch, budget), self.cache.offset
+    if k == 1:
+        out, logits = draft_tokens(self._step, n, None, self.grammar, ids=self.ids)
+        self.cache.trim(self.cache.offset - start)  # speculative entries out, as after a chain
+        if not out:
+            return Tree()
+        lp = nn.log_softmax(mx.concatenate(logits).astype(mx.float32), axis=-1)
+        tree, self.grown = chain_siblings(mx.concatenate(out), lp, b, budget, self.ids)
+        return tree
     front, outs = [-1], self.last[:, -1:]  # the nodes read last (the root), and the head's outputs at them
-    new = g.offer(front, nn.log_softmax(self.readout(outs[0]).astype(mx.float32)), k, self.ids)
+    new = g.offer(front, nn.log_softmax(self.readout(outs[0]).astype(mx.float32)), b, self.ids)
     for depth in range(1, n):
         if not new:
             break
@@ -402,7 +412,7 @@ def draft_tree(self: HeadSource, feed, n, budget, step=0, anchor_hidden=None) ->
         tokens = self.embed(mx.array([[g.tokens[i] for i in front]], mx.uint32))
         with at_positions(self.head, mx.full((len(front),), start + depth - 1)):
             outs = self.head(feature, tokens, mask=mask, cache=self.cache)
-        new = g.offer(front, nn.log_softmax(self.readout(outs[0]).astype(mx.float32)), k, self.ids)
+        new = g.offer(front, nn.log_softmax(self.readout(outs[0]).astype(mx.float32)), b, self.ids)
     self.cache.trim(self.cache.offset - start)  # the tree's entries out: the path's rows come next round
     self.grown = g  # the last tree as it grew (for a look inside)
     return g.tree(budget)
