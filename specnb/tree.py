@@ -148,6 +148,7 @@ def chain_siblings(
     (leaves), and the `budget` likeliest paths are kept. `(tree, expansion)`, after one read-back."""
     ids, vals = top_k(logprobs, k)
     ids = ids if columns is None else columns[ids]
+    mx.eval(chain, ids, vals)  # one evaluation: the drafter's graph and the top k together
     chain, ids, vals = (a.tolist() for a in (chain, ids, vals))
     g, u = Expansion(), -1
     for t, row, vs in zip(chain, ids, vals):
